@@ -1,0 +1,38 @@
+# Set-up and the two entry points of a fresh machine: `make run`, `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TINY   := models/tiny
+
+.PHONY: venv run test bench-models clean
+
+# torch first, pinned: it takes the local CPU wheel; a looser pin pulls a CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+$(TINY)/model.safetensors: | $(STAMP)
+	$(VENV)/bin/tessera make-model --preset tiny $(TINY)
+
+# The main job on its embedded default: generate with the tiny checkpoint.
+run: $(STAMP) $(TINY)/model.safetensors
+	$(VENV)/bin/tessera generate --model $(TINY) --max-tokens 24 \
+		--prompt "The quick brown fox" \
+		--prompt "Paged attention stores the KV cache in" \
+		--prompt "User: How do I bake bread? Assistant:" \
+		--prompt "def fibonacci(n):"
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench-models: $(STAMP)
+	test -f models/bench/model.safetensors || $(VENV)/bin/tessera make-model --preset bench models/bench
+
+clean:
+	rm -rf $(VENV) models .cache

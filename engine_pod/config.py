@@ -1,0 +1,147 @@
+"""Engine configuration: one dataclass per concern, built and validated once."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine_pod.core.request_queue import SchedulingPolicy
+from engine_pod.core.scheduler import SchedulerConfig
+from engine_pod.model.hf_config import ModelArchConfig, load_arch_config, parse_dtype
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class ModelConfig:
+    path: Path
+    arch: ModelArchConfig
+    dtype: torch.dtype
+    max_model_len: int
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    # Fixed number of KV blocks; None sizes the pool from memory.
+    num_gpu_blocks: int | None = None
+    # KV budget on CPU (default 1 GiB).
+    kv_cache_memory_bytes: int | None = None
+    # Fraction of device memory the engine may use on CUDA.
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256:
+            raise ValueError(f"block_size must be an integer in [1, 256], got {self.block_size!r}")
+        if self.num_gpu_blocks is not None and (not isinstance(self.num_gpu_blocks, int) or self.num_gpu_blocks < 1):
+            raise ValueError(f"num_gpu_blocks must be a positive integer or None, got {self.num_gpu_blocks!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: torch.device
+    attention_backend: str = "auto"
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device: {device!r} is not a valid torch device ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but no CUDA device is available")
+    return dev
+
+
+def _resolve_dtype(dtype: str | torch.dtype, arch: ModelArchConfig, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    if device.type == "cpu":
+        # Half-precision matmuls are slow on most CPUs; compute in float32.
+        return torch.float32
+    ckpt = arch.checkpoint_dtype or torch.float32
+    return torch.bfloat16 if ckpt == torch.float32 else ckpt
+
+
+def _resolve_max_model_len(max_model_len: int | None, arch: ModelArchConfig) -> int:
+    limit = arch.max_position_embeddings
+    if arch.sliding_window is not None and arch.sliding_window < limit:
+        # Beyond the window the model attends differently; serve only what
+        # full attention computes exactly.
+        logger.warning("sliding_window=%d: capping max_model_len at the window", arch.sliding_window)
+        limit = arch.sliding_window
+    if max_model_len is None:
+        return limit
+    if not isinstance(max_model_len, int) or max_model_len < 1:
+        raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
+    if max_model_len > limit:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) exceeds what the model supports ({limit}: "
+            "max_position_embeddings or sliding_window in config.json)"
+        )
+    return max_model_len
+
+
+def create_engine_config(
+    model: str | Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    max_model_len: int | None = None,
+    block_size: int = 16,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 256,
+    long_prefill_token_threshold: int = 0,
+    num_gpu_blocks: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    enable_prefix_caching: bool = True,
+    scheduling_policy: str = "fcfs",
+    device: str | None = None,
+    attention_backend: str = "auto",
+    seed: int = 0,
+) -> EngineConfig:
+    path = Path(model)
+    arch = load_arch_config(path)
+    dev = _resolve_device(device)
+    try:
+        policy = SchedulingPolicy(scheduling_policy)
+    except ValueError:
+        raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}") from None
+    model_len = _resolve_max_model_len(max_model_len, arch)
+    return EngineConfig(
+        model=ModelConfig(path, arch, _resolve_dtype(dtype, arch, dev), model_len),
+        cache=CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            num_gpu_blocks=num_gpu_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=model_len,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            policy=policy,
+        ),
+        device=dev,
+        attention_backend=attention_backend,
+        seed=seed,
+    )

@@ -1,0 +1,1 @@
+"""Engine core: requests, block pool, KV cache manager, scheduler, engine loop."""

@@ -1,0 +1,64 @@
+"""EngineCore: the busy loop's body, schedule -> execute -> update."""
+
+from __future__ import annotations
+
+import logging
+
+from engine_pod.config import EngineConfig
+from engine_pod.core.kv_cache_manager import KVCacheManager
+from engine_pod.core.scheduler import EngineCoreOutput, Scheduler
+from engine_pod.core.stats import EngineTotals, SchedulerStats
+from engine_pod.executor import Executor, UniProcExecutor
+from engine_pod.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        self.executor = executor or UniProcExecutor(config)
+        num_blocks = config.cache.num_gpu_blocks or self.executor.determine_num_blocks()
+        block_size = config.cache.block_size
+        max_model_len = config.model.max_model_len
+        if num_blocks * block_size < max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {block_size} tokens ({num_blocks * block_size} tokens), "
+                f"fewer than one max_model_len={max_model_len} sequence; raise num_gpu_blocks / "
+                "kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len"
+            )
+        self.executor.initialize_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, kv)
+        self.totals = EngineTotals()
+        self.last_stats = SchedulerStats()
+        logger.info("engine core ready: %d KV blocks of %d tokens", num_blocks, block_size)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one engine step; returns the progress of every request that moved."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.last_stats = self.scheduler.make_stats()
+        self.totals.add(self.last_stats)
+        stalled = scheduler_output.is_empty and not scheduler_output.preempted_req_ids
+        if stalled and self.scheduler.has_unfinished_requests():
+            # Start-up checks guarantee one request always fits, so a step that
+            # neither ran nor preempted anything would repeat forever.
+            raise RuntimeError("engine step scheduled nothing while requests are pending")
+        return outputs
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

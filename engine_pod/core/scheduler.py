@@ -1,0 +1,305 @@
+"""The unified token-budget scheduler (vLLM V1 shape).
+
+There is no prefill phase and decode phase: each request has computed some of
+its tokens and the scheduler hands out a per-step token budget, running
+requests first (decodes and remaining prefill chunks), then waiting ones.
+A prompt longer than the remaining budget is chunked. When the pool cannot
+hold a running request's next tokens, the lowest-priority, latest-arrived
+running request is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine_pod.core.kv_cache_manager import KVCacheManager
+from engine_pod.core.request_queue import SchedulingPolicy, create_request_queue
+from engine_pod.core.scheduler_output import (
+    CachedRequestData,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from engine_pod.core.stats import SchedulerStats
+from engine_pod.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    # Cap on one request's prefill chunk per step (0: only the budget caps it).
+    long_prefill_token_threshold: int = 0
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+
+    def __post_init__(self) -> None:
+        self.policy = SchedulingPolicy(self.policy)
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's progress in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(config.policy)
+        self.running: list[Request] = []
+        # Ended since the last schedule(); the runner is told to drop them.
+        self.finished_req_ids: set[str] = set()
+        self._num_new_preemptions = 0
+
+    # -- requests in and out ----------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        if self.kv_cache_manager.enable_caching:
+            request.enable_block_hashing(self.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (aborts); unknown ids are ignored."""
+        finished = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # -- scheduling -------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        preempted: list[Request] = []
+
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
+            if num_new <= 0:
+                idx += 1
+                continue
+            while True:
+                blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                if blocks is not None:
+                    break
+                victim = self._pick_victim()
+                if victim in scheduled_running:
+                    # Preempting a request already given tokens this step hands
+                    # its budget back.
+                    scheduled_running.remove(victim)
+                    budget += num_scheduled.pop(victim.request_id)
+                    new_blocks.pop(victim.request_id, None)
+                if self.running.index(victim) < idx:
+                    idx -= 1  # removing it shifts the current request left
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if blocks is None:
+                break  # the request itself was preempted
+            scheduled_running.append(request)
+            num_scheduled[request.request_id] = num_new
+            new_blocks[request.request_id] = [b.block_id for b in blocks]
+            budget -= num_new
+            idx += 1
+
+        scheduled_new: list[Request] = []
+        # After a preemption the pool is under pressure: admitting waiting
+        # requests would only cause more preemptions.
+        if not preempted:
+            budget = self._schedule_waiting(budget, num_scheduled, scheduled_new)
+
+        output = self._make_output(scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted)
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        self.finished_req_ids = set()
+        return output
+
+    def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
+        num_new = request.num_tokens - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and num_new > threshold:
+            num_new = threshold
+        return min(num_new, budget, self.config.max_model_len - num_computed)
+
+    def _schedule_waiting(
+        self, budget: int, num_scheduled: dict[str, int], scheduled_new: list[Request]
+    ) -> int:
+        while len(self.waiting) and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting.peek()
+            hits, num_hit_tokens = [], 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = self._num_tokens_to_schedule(request, num_hit_tokens, budget)
+            if num_new <= 0:
+                break
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit_tokens)
+            if blocks is None:
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled_new.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == SchedulingPolicy.PRIORITY:
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return max(self.running, key=lambda r: r.arrival_time)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_new_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _make_output(
+        self,
+        scheduled_new: list[Request],
+        scheduled_running: list[Request],
+        num_scheduled: dict[str, int],
+        new_blocks: dict[str, list[int]],
+        preempted: list[Request],
+    ) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        new_reqs, cached_reqs = [], []
+        for request in scheduled_new:
+            if request.num_preemptions:
+                # Resumed after preemption: the runner still holds its state
+                # (tokens, sampling generator); it gets a fresh block table.
+                cached_reqs.append(
+                    CachedRequestData(
+                        request.request_id, kv.get_block_ids(request.request_id),
+                        request.num_computed_tokens, resumed_from_preemption=True,
+                    )
+                )
+            else:
+                new_reqs.append(
+                    NewRequestData(
+                        request.request_id, request.prompt_token_ids, request.sampling_params,
+                        kv.get_block_ids(request.request_id), request.num_computed_tokens,
+                    )
+                )
+        for request in scheduled_running:
+            cached_reqs.append(
+                CachedRequestData(request.request_id, new_blocks[request.request_id], request.num_computed_tokens)
+            )
+        preempted_ids = {r.request_id for r in preempted}
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted_ids,
+        )
+
+    # -- results ----------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            sampled = runner_output.sampled_token_ids.get(req_id)
+            if request is None or request.is_finished or not sampled:
+                continue  # aborted meanwhile, or a prefill chunk short of the end
+            request.append_output_token_ids(sampled)
+            status, stop_reason = self._check_stop(request)
+            cached = max(request.num_cached_tokens, 0)
+            out = EngineCoreOutput(req_id, sampled, runner_output.logprobs.get(req_id), num_cached_tokens=cached)
+            if status is not None:
+                request.status = status
+                request.stop_reason = stop_reason
+                self.running.remove(request)
+                self._free_request(request)
+                out.finish_reason = status.finish_reason
+                out.stop_reason = stop_reason
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, request: Request) -> tuple[RequestStatus | None, int | None]:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens and last in params.all_stop_token_ids:
+            # vLLM reports the stop token id as stop_reason, None for EOS.
+            reason = last if last in params.stop_token_ids else None
+            return RequestStatus.FINISHED_STOPPED, reason
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED, None
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED, None
+        return None, None
+
+    # -- stats ------------------------------------------------------------
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        pool = kv.block_pool
+        prefix = kv.prefix_cache_stats.reset()
+        waste = sum(kv.num_allocated_slots(r.request_id) - r.num_computed_tokens for r in self.running)
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_kv_blocks_used=pool.num_blocks - pool.get_num_free_blocks(),
+            num_kv_blocks_free=pool.get_num_free_blocks(),
+            kv_cache_usage=pool.get_usage(),
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self._num_new_preemptions,
+            kv_waste_slots=waste,
+        )
+        self._num_new_preemptions = 0
+        return stats

@@ -1,0 +1,63 @@
+"""What the scheduler hands the executor each step, and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine_pod.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen: everything it needs to hold it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    req_id: str
+    # Appended to the runner's block table, or replacing it when resumed.
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    resumed_from_preemption: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # request id -> tokens to compute this step, in batch order.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that ended since the last step: the runner drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Requests preempted this step: the runner keeps their state for resumption.
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class Logprobs:
+    """Per sampled token: the top-k ids and logprobs, then the sampled one."""
+
+    token_ids: list[int]  # [k + 1]: sampled token first, then top-k
+    logprobs: list[float]
+    sampled_rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    # One entry per request that sampled this step (prefill chunks that do not
+    # reach the end of the prompt sample nothing).
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)

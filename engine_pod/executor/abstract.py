@@ -1,0 +1,27 @@
+"""The executor interface the engine core calls, whatever the number of workers."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from engine_pod.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """KV blocks every worker can hold (the minimum over workers)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    @property
+    @abstractmethod
+    def forward_seconds(self) -> float:
+        """Time spent in model forwards so far (for efficiency figures)."""
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,1 @@
+"""Model definitions, Hugging Face config parsing and weight loading."""

@@ -1,0 +1,132 @@
+"""Parse a Hugging Face checkpoint's config.json into what the engine needs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Architectures the engine implements, and how each differs from Llama.
+SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {},
+    # Qwen2 always has q/k/v biases and no o_proj bias.
+    "Qwen2ForCausalLM": {"qkv_bias": True, "o_bias": False},
+}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[str(name).removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))} or 'auto', got {name!r}") from None
+
+
+@dataclass
+class ModelArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+    checkpoint_dtype: torch.dtype | None
+    bos_token_id: int | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
+    if key not in cfg:
+        raise ValueError(f"{path}: config.json lacks the required field {key!r}")
+    return cfg[key]
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    # Classic checkpoints carry rope_theta + rope_scaling; transformers v5
+    # writes both into rope_parameters.
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        return theta, (None if rope_type == "default" else scaling)
+    scaling = cfg.get("rope_scaling")
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return float(cfg.get("rope_theta", 10000.0)), scaling
+
+
+def load_arch_config(model_path: str | Path) -> ModelArchConfig:
+    path = Path(model_path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model: {path} is not a Hugging Face checkpoint folder (no config.json)")
+    cfg = json.loads(config_file.read_text())
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"architectures: {archs!r} in {config_file} is not supported; "
+            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    overrides = SUPPORTED_ARCHITECTURES[arch]
+    hidden = int(_require(cfg, "hidden_size", path))
+    heads = int(_require(cfg, "num_attention_heads", path))
+    rope_theta, rope_scaling = _rope(cfg)
+    attention_bias = bool(cfg.get("attention_bias", False))
+    eos = cfg.get("eos_token_id")
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    dtype_name = cfg.get("torch_dtype") or cfg.get("dtype")
+    sliding = cfg.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        sliding = None
+    return ModelArchConfig(
+        architecture=arch,
+        vocab_size=int(_require(cfg, "vocab_size", path)),
+        hidden_size=hidden,
+        num_hidden_layers=int(_require(cfg, "num_hidden_layers", path)),
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        intermediate_size=int(_require(cfg, "intermediate_size", path)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=overrides.get("qkv_bias", attention_bias),
+        o_bias=overrides.get("o_bias", attention_bias),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        sliding_window=int(sliding) if sliding else None,
+        checkpoint_dtype=parse_dtype(dtype_name) if dtype_name else None,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        raw=cfg,
+    )

@@ -1,0 +1,118 @@
+"""The Llama family (Llama, Mistral, Qwen2) over a flattened token batch.
+
+All scheduled tokens of a step form one sequence of T tokens with no
+padding; attention finds each token's context through the paged KV cache.
+Module names follow the Hugging Face checkpoints, with q/k/v and gate/up
+merged into one projection each (see ``STACKED_PARAMS``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_pod.attention.backend import AttentionBackend, AttentionMetadata
+from engine_pod.model.hf_config import ModelArchConfig
+from engine_pod.model.layers import MergedLinear, RMSNorm
+from engine_pod.model.rotary import RotaryEmbedding, compute_inv_freq
+
+# merged parameter -> (checkpoint projection, shard name)
+STACKED_PARAMS = {
+    "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
+    "gate_up_proj": (("gate_proj", "gate"), ("up_proj", "up")),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=cfg.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(self, positions, hidden, kv_cache, md: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v.contiguous(), kv_cache, md, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(
+            cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, bias=cfg.mlp_bias
+        )
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary, backend)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, kv_cache, md) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, md)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, max_model_len: int, dtype: torch.dtype, backend: AttentionBackend):
+        super().__init__()
+        inv_freq, scale = compute_inv_freq(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, max_model_len
+        )
+        # One table shared by every layer (not a parameter, not in the checkpoint).
+        rotary = RotaryEmbedding(cfg.head_dim, max_model_len, inv_freq, scale, dtype)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], md: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, kv_cache, md)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, max_model_len: int, dtype: torch.dtype, backend: AttentionBackend):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, max_model_len, dtype, backend)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
+        """Hidden states (before the final norm) of every token: [T, hidden]."""
+        return self.model(input_ids, positions, kv_caches, md)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of selected hidden states; the final norm is per-row, so
+        applying it to sampled positions only is exact and cheaper."""
+        hidden = self.model.norm(hidden)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight)

@@ -1,0 +1,67 @@
+"""Turns user inputs into engine requests, rejecting bad input with ValueError."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Union
+
+from transformers import PreTrainedTokenizerBase
+
+from engine_pod.config import EngineConfig
+from engine_pod.sampling_params import SamplingParams
+
+# A prompt is text, or vLLM's token form {"prompt_token_ids": [...]}.
+PromptType = Union[str, dict[str, Any]]
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+class Processor:
+    def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int]) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = config.model.arch.vocab_size
+        self.max_model_len = config.model.max_model_len
+
+    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+            if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            ids = list(ids)
+        else:
+            raise ValueError("prompt must be a string or a dict with 'prompt_token_ids'")
+        self._validate_token_ids(ids)
+        return ProcessedPrompt(text, ids)
+
+    def _validate_token_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt must not be empty (it has no tokens)")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids: token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt: the prompt has {len(ids)} tokens, longer than max_model_len={self.max_model_len}"
+            )
+
+    def process_params(self, params: SamplingParams) -> SamplingParams:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad} are outside the vocabulary [0, {self.vocab_size})")
+        params = replace(params)  # never mutate the caller's object
+        params.resolve_stop_token_ids(self.eos_token_ids)
+        return params

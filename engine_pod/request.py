@@ -1,0 +1,101 @@
+"""A request inside the engine core: its tokens, state and block hashes."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine_pod.sampling_params import SamplingParams
+from kv_store.block_hash import BlockHash, hash_request_tokens
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache when first scheduled (-1: not yet).
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    # Block size used for block_hashes; 0 when prefix caching is off.
+    _hash_block_size: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def enable_block_hashing(self, block_size: int) -> None:
+        self._hash_block_size = block_size
+        self._extend_block_hashes()
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        if self._hash_block_size:
+            self._extend_block_hashes()
+
+    def _extend_block_hashes(self) -> None:
+        # Hash only newly completed full blocks: O(new blocks) per step.
+        start = len(self.block_hashes)
+        if (start + 1) * self._hash_block_size > len(self.all_token_ids):
+            return
+        parent = self.block_hashes[-1] if start else None
+        self.block_hashes.extend(
+            hash_request_tokens(
+                self.all_token_ids, self._hash_block_size, self.cache_salt, start, parent
+            )
+        )

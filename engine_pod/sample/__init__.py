@@ -1,0 +1,1 @@
+"""Sampling from logits on the logits' device."""

@@ -1,0 +1,113 @@
+"""Sampling parameters with vLLM's names and semantics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the output of one request (vLLM names and meanings).
+
+    ``temperature == 0`` means greedy. ``top_k`` of -1 or 0 disables top-k;
+    ``top_p == 1`` and ``min_p == 0`` disable those filters. ``stop_token_ids``
+    end generation and stay in the output token ids; ``stop`` strings end it and
+    are cut from the text. ``logprobs=k`` returns the sampled token's logprob and
+    the top-k alternatives for every output token.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    # Filled in by the engine: every token id that ends the request.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(field_name: str, msg: str) -> None:
+            raise ValueError(f"SamplingParams.{field_name} {msg}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            fail("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            fail("top_k", f"must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0.0:
+            fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", f"must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            fail("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", "must be a non-empty string or a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be a list of non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def resolve_stop_token_ids(self, eos_token_ids: set[int]) -> None:
+        """Fix the set of token ids that end this request (EOS unless ignore_eos)."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids |= eos_token_ids
+        self.all_stop_token_ids = ids
+
+    def clone_for_child(self, index: int) -> "SamplingParams":
+        """Parameters of the index-th of n parallel samples: n=1, and a distinct
+        seed per child so seeded samples differ yet stay reproducible."""
+        from dataclasses import replace
+
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed, all_stop_token_ids=set(self.all_stop_token_ids))

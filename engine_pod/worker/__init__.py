@@ -1,0 +1,1 @@
+"""The worker side: model runner, per-request state, KV cache tensors."""

@@ -1,0 +1,1 @@
+"""Tessera: platform-wide tooling (CLI, text processing, fixtures, benchmarks)."""

@@ -1,0 +1,19 @@
+"""``tessera bench``: benchmarks whose figures go into docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="run a benchmark")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    from tessera.bench import prefix_cache, throughput
+
+    throughput.add_parser(kinds)
+    prefix_cache.add_parser(kinds)
+    bench.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    return args.bench_func(args)

@@ -1,0 +1,7 @@
+"""Tokenizer, incremental detokenizer and stop strings: the one text pipeline
+used by the gateway and by the offline LLM API (engine pods speak token ids)."""
+
+from tessera.text.detokenizer import IncrementalDetokenizer
+from tessera.text.tokenizer import load_eos_token_ids, load_tokenizer
+
+__all__ = ["IncrementalDetokenizer", "load_eos_token_ids", "load_tokenizer"]

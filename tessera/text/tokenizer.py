@@ -1,0 +1,41 @@
+"""Loading a checkpoint's tokenizer and its end-of-sequence ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer: cannot load a tokenizer from {path}: {e}") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"tokenizer: {path} has no fast (tokenizer.json) tokenizer")
+    return tokenizer
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def load_eos_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> set[int]:
+    """Every id that ends generation: the tokenizer's EOS and the
+    generation config's (falling back to config.json's) eos_token_id."""
+    path = Path(path)
+    ids: set[int] = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if file.is_file():
+            found = _as_list(json.loads(file.read_text()).get("eos_token_id"))
+            if found:
+                ids.update(found)
+                break
+    return ids

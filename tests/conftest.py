@@ -1,0 +1,41 @@
+"""Shared fixtures: deterministic checkpoints built once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tessera.fixtures import make_model
+
+_CACHE = Path(os.environ.get("TESSERA_TEST_MODELS", Path(__file__).resolve().parent.parent / ".cache" / "test-models"))
+
+
+def checkpoint(preset: str) -> Path:
+    """Build (once; make-model is deterministic, so a cached copy is exact)."""
+    out = _CACHE / preset
+    if not (out / "model.safetensors").is_file():
+        make_model(preset, out.with_suffix(".tmp"))
+        out.with_suffix(".tmp").rename(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> Path:
+    return checkpoint("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2() -> Path:
+    return checkpoint("tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral() -> Path:
+    return checkpoint("tiny-mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope() -> Path:
+    return checkpoint("tiny-llama3-rope")
