@@ -3,7 +3,8 @@ strings, logprobs and the fan-in of n parallel samples."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
@@ -24,6 +25,9 @@ class ParentRequest:
     completions: list[CompletionOutput]
     num_cached_tokens: int = 0
     num_unfinished: int = 0
+    # time.monotonic() stamps, vLLM's RequestMetrics meanings.
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
 
 
 @dataclass
@@ -64,6 +68,8 @@ class OutputProcessor:
             if state is None:
                 continue
             completion = state.completion
+            if state.parent.first_token_time is None and out.new_token_ids:
+                state.parent.first_token_time = time.monotonic()
             completion.token_ids.extend(out.new_token_ids)
             if state.want_logprobs and out.new_logprobs:
                 self._add_logprobs(state, out.new_logprobs)
@@ -108,4 +114,9 @@ class OutputProcessor:
             outputs=parent.completions,
             finished=True,
             num_cached_tokens=parent.num_cached_tokens,
+            metrics={
+                "arrival_time": parent.arrival_time,
+                "first_token_time": parent.first_token_time,
+                "finished_time": time.monotonic(),
+            },
         )

@@ -61,10 +61,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (in tokens) in the stats."""
+        if self.enable_caching:
+            self.prefix_cache_stats.queries += num_tokens
+            self.prefix_cache_stats.hits += num_hit_tokens
 
     def allocate_slots(
         self,

@@ -139,7 +139,9 @@ class Scheduler:
                 if victim is request:
                     break
             if blocks is None:
-                break  # the request itself was preempted
+                # The request preempted itself (under the priority policy it
+                # need not be last); idx already names the next one.
+                continue
             scheduled_running.append(request)
             num_scheduled[request.request_id] = num_new
             new_blocks[request.request_id] = [b.block_id for b in blocks]
@@ -181,6 +183,10 @@ class Scheduler:
             blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit_tokens)
             if blocks is None:
                 break
+            if request.num_computed_tokens == 0:
+                # Counted on admission only, so a request that waits several
+                # steps is one query, not one per attempt.
+                self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             self.waiting.pop()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from engine_pod.model.rotary import validate_rope_scaling
+
 # Architectures the engine implements, and how each differs from Llama.
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {},
@@ -100,6 +102,7 @@ def load_arch_config(model_path: str | Path) -> ModelArchConfig:
     hidden = int(_require(cfg, "hidden_size", path))
     heads = int(_require(cfg, "num_attention_heads", path))
     rope_theta, rope_scaling = _rope(cfg)
+    validate_rope_scaling(rope_scaling)
     attention_bias = bool(cfg.get("attention_bias", False))
     eos = cfg.get("eos_token_id")
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

@@ -28,8 +28,11 @@ class IncrementalDetokenizer:
         min_tokens: int = 0,
     ) -> None:
         self._backend = tokenizer.backend_tokenizer
-        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # Step through the context and drop its text: seeding the stream with
+        # ids= re-emits the context when the prompt ends inside a character.
+        for token_id in prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]:
+            self._stream.step(self._backend, token_id)
         self._stop = list(stop)
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._include_stop = include_stop_str_in_output
