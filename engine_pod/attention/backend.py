@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ class AttentionMetadata:
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
     block_size: int
+    # Per-step scratch a backend may fill on the first layer and reuse in the
+    # others (index plans, masks), so per-layer work stays minimal.
+    backend_cache: dict = field(default_factory=dict)
 
 
 class AttentionBackend(ABC):

@@ -22,6 +22,7 @@ from engine_pod.core.scheduler_output import Logprobs, ModelRunnerOutput, Schedu
 from engine_pod.model.loader import build_model
 from engine_pod.sample.metadata import SamplingMetadata
 from engine_pod.sample.sampler import Sampler, SamplerOutput
+from engine_pod.worker.cpu_malloc import keep_freed_memory_in_heap
 from engine_pod.worker.kv_cache import allocate_kv_caches, bytes_per_block
 from engine_pod.worker.request_state import CachedRequestState
 
@@ -47,6 +48,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.vocab_size = self.arch.vocab_size
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_heap()
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.model = build_model(
             self.arch, config.model.path, config.model.max_model_len, self.dtype, self.device, self.backend
@@ -62,10 +65,11 @@ class ModelRunner:
         return bytes_per_block(self.arch, self.block_size, self.dtype)
 
     def determine_num_blocks(self) -> int:
-        if self.device.type == "cuda":
-            budget = self._profile_cuda_budget()
-        else:
-            budget = self.config.cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        """An explicit byte budget wins on any device; otherwise CUDA profiles
+        and the CPU takes its default budget."""
+        budget = self.config.cache.kv_cache_memory_bytes
+        if budget is None:
+            budget = self._profile_cuda_budget() if self.device.type == "cuda" else DEFAULT_CPU_KV_CACHE_BYTES
         return int(budget // self.bytes_per_block())
 
     @torch.inference_mode()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from dataclasses import dataclass
 
@@ -20,12 +21,12 @@ class HFRunResult:
 
 def run_hf_static_batches(
     model_path: str, requests: list[BenchRequest], pad_token_id: int, batch_size: int = 32,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, device: str = "cpu",
 ) -> HFRunResult:
     """Static batching: left-padded batches of ``batch_size`` in arrival
     order; each batch runs until its longest output is done (the padding and
     the finished rows are wasted work, which is the point of comparison)."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     model.eval()
     generated = 0
     start = time.perf_counter()
@@ -40,9 +41,27 @@ def run_hf_static_batches(
                 mask[i, width - len(r.prompt_token_ids) :] = 1
             new = max(r.output_len for r in batch)
             model.generate(
-                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
                 do_sample=False, pad_token_id=pad_token_id,
             )
             generated += new * len(batch)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return HFRunResult(seconds, sum(r.output_len for r in requests), generated)
+
+
+def _child(queue, args) -> None:
+    queue.put(run_hf_static_batches(*args))
+
+
+def run_hf_in_fresh_process(*args) -> HFRunResult:
+    """Run the baseline in a new interpreter, so nothing the engine did to
+    this process (allocator tuning, threads, caches) helps or hurts it."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(queue, args))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result

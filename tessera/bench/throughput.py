@@ -56,6 +56,7 @@ def main(args: argparse.Namespace) -> int:
         args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), enable_prefix_caching=False,
+        device=args.device,
     )
     tokenizer = llm.get_tokenizer()
     requests = sharegpt_like(tokenizer, args.num_requests, args.max_prompt_len, args.max_output_len, args.seed)
@@ -72,16 +73,23 @@ def main(args: argparse.Namespace) -> int:
         "tessera": {**asdict(engine), "tokens_per_second": engine.tokens_per_second,
                     "share_outside_forward": engine.share_outside_forward},
     }
+    print(f"dtype {llm.config.model.dtype}, device {llm.config.device}")
     print(f"tessera: {engine.useful_tokens} tokens in {engine.seconds:.1f}s = {engine.tokens_per_second:.1f} tok/s; "
           f"{engine.share_outside_forward:.1%} of wall time outside the forward; {engine.steps} steps")
     if not args.skip_hf:
-        from tessera.bench.hf_baseline import run_hf_static_batches
+        from tessera.bench.hf_baseline import run_hf_in_fresh_process
 
+        llm_dtype, device = llm.config.model.dtype, llm.config.device
         del llm  # free the engine's KV cache before HF runs
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        hf = run_hf_static_batches(args.model, requests, pad, args.hf_batch_size)
+        hf = run_hf_in_fresh_process(args.model, requests, pad, args.hf_batch_size, llm_dtype, str(device))
         hf_tps = hf.useful_tokens / hf.seconds
         report["hf"] = {**asdict(hf), "tokens_per_second": hf_tps, "batch_size": args.hf_batch_size}
+        report["dtype"] = str(llm_dtype)
         report["speedup"] = engine.tokens_per_second / hf_tps
         print(f"hf static batches of {args.hf_batch_size}: {hf.useful_tokens} useful tokens in {hf.seconds:.1f}s "
               f"= {hf_tps:.1f} tok/s; Tessera / HF = {report['speedup']:.1f}x")
@@ -98,7 +106,8 @@ def add_parser(kinds) -> None:
     p.add_argument("--max-prompt-len", type=int, default=512)
     p.add_argument("--max-output-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="engine and HF dtype (auto: the engine's choice)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=4.0)

@@ -4,6 +4,8 @@ in float32, different batchings round differently and flip near-ties."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from engine_pod import LLM, SamplingParams
@@ -11,6 +13,8 @@ from tests.engine.hf_reference import hf_greedy
 from tests.engine.prompts import MAX_TOKENS, parity_prompts
 
 PROMPTS = parity_prompts()
+# The engine's device; CI runs on CPU, a GPU machine sets TESSERA_TEST_DEVICE=cuda.
+DEVICE = os.environ.get("TESSERA_TEST_DEVICE", "cpu")
 FAMILIES = ["tiny_llama", "tiny_qwen2"]
 
 
@@ -21,7 +25,7 @@ def family(request):
 
 
 def _run(path, priorities=None, **engine_kwargs):
-    kwargs = dict(dtype="float64", max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    kwargs = dict(dtype="float64", max_model_len=512, kv_cache_memory_bytes=64 << 20, device=DEVICE)
     kwargs.update(engine_kwargs)
     llm = LLM(str(path), **kwargs)
     params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=0) for n in MAX_TOKENS]

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Device checks on a CUDA machine (CI has no GPU, so these run by hand):
+# the profiled KV budget, HF parity with the engine on CUDA, GPU benchmarks.
+# Usage: OUT=/tmp/gpu bash scripts/gpu_check.sh   (from the repository root)
+set -uo pipefail
+OUT=${OUT:-/tmp/tessera-gpu}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi -L
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+for preset in tiny bench; do
+  $PY -m tessera.cli make-model --preset $preset models/$preset || exit 1
+done
+
+echo "== profiled KV budget and a generation on CUDA"
+$PY - <<'PYEOF'
+from engine_pod import LLM, SamplingParams
+llm = LLM("models/tiny", device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5)
+print("profiled KV blocks:", llm.engine_core.num_blocks, "of", llm.config.cache.block_size, "tokens")
+out = llm.generate(["Hello world", "Paged attention"], SamplingParams(temperature=0, max_tokens=8))
+print([o.outputs[0].token_ids for o in out])
+PYEOF
+
+echo "== HF parity with the engine on CUDA (float64)"
+TESSERA_TEST_DEVICE=cuda $PY -m pytest tests/engine/test_hf_parity.py -q -x -p no:cacheprovider 2>&1 | tail -4
+
+echo "== benchmarks on CUDA (bfloat16)"
+$PY -m tessera.cli bench throughput --model models/bench --dtype bfloat16 --device cuda --output "$OUT/throughput_gpu.json" 2>&1 | grep -v -i "warn\|indices\|Loading weights"
+$PY -m tessera.cli bench prefix-cache --model models/bench --dtype bfloat16 --device cuda --output "$OUT/prefix_cache_gpu.json" 2>&1 | grep -v -i "warn\|indices\|Loading weights"
