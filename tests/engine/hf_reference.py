@@ -41,3 +41,14 @@ def hf_greedy(model_path: Path, prompts: list[list[int]], max_tokens: list[int],
             ]
             results.append(HFResult(new, logprobs))
     return results
+
+
+def assert_matches_hf(outputs, reference: list[HFResult], prompts: list[list[int]], logprob_tol: float) -> None:
+    """Engine outputs (with logprobs=0) equal HF's tokens, and their chosen-token
+    logprobs are within ``logprob_tol`` of HF's."""
+    for i, (out, ref) in enumerate(zip(outputs, reference)):
+        got = out.outputs[0].token_ids
+        assert got == ref.token_ids, f"prompt {i} (len {len(prompts[i])}): {got} != HF {ref.token_ids}"
+        lps = [next(iter(step.values())).logprob for step in out.outputs[0].logprobs]
+        for j, (a, b) in enumerate(zip(lps, ref.logprobs)):
+            assert abs(a - b) < logprob_tol, f"prompt {i} token {j}: logprob {a} vs HF {b}"

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from engine_pod import LLM, SamplingParams
-from tests.engine.hf_reference import hf_greedy
+from tests.engine.hf_reference import assert_matches_hf, hf_greedy
 from tests.engine.prompts import MAX_TOKENS, parity_prompts
 
 PROMPTS = parity_prompts()
@@ -34,12 +34,7 @@ def _run(path, priorities=None, **engine_kwargs):
 
 
 def _assert_parity(outputs, reference):
-    for i, (out, ref) in enumerate(zip(outputs, reference)):
-        got = out.outputs[0].token_ids
-        assert got == ref.token_ids, f"prompt {i} (len {len(PROMPTS[i])}): {got} != HF {ref.token_ids}"
-        lps = [next(iter(step.values())).logprob for step in out.outputs[0].logprobs]
-        for j, (a, b) in enumerate(zip(lps, ref.logprobs)):
-            assert abs(a - b) < 1e-3, f"prompt {i} token {j}: logprob {a} vs HF {b}"
+    assert_matches_hf(outputs, reference, PROMPTS, logprob_tol=1e-3)
 
 
 def test_prefix_caching_off(family):

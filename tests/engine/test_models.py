@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine_pod import LLM, SamplingParams
-from tests.engine.hf_reference import hf_greedy
+from tests.engine.hf_reference import assert_matches_hf, hf_greedy
 from tests.engine.prompts import parity_prompts
 
 ENGINE_KW = dict(dtype="float64", max_model_len=512, kv_cache_memory_bytes=64 << 20)
@@ -34,12 +34,7 @@ def test_greedy_matches_hf(request, family):
     llm = LLM(str(path), **ENGINE_KW, max_num_batched_tokens=64, block_size=8)
     params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=0) for n in MAX_TOKENS]
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    for i, (out, r) in enumerate(zip(outputs, ref)):
-        got = out.outputs[0].token_ids
-        assert got == r.token_ids, f"prompt {i} (len {len(PROMPTS[i])}): {got} != HF {r.token_ids}"
-        lps = [next(iter(step.values())).logprob for step in out.outputs[0].logprobs]
-        for j, (a, b) in enumerate(zip(lps, r.logprobs)):
-            assert abs(a - b) < 1e-6, f"prompt {i} token {j}: logprob {a} vs HF {b}"
+    assert_matches_hf(outputs, ref, PROMPTS, logprob_tol=1e-6)
 
 
 def test_checkpoint_shapes(tiny_mistral, tiny_llama3_rope):
