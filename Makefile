@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TINY   := models/tiny
 
-.PHONY: venv run test bench-models clean
+.PHONY: venv run test proto bench-models clean
 
 # torch first, pinned: it takes the local CPU wheel; a looser pin pulls a CUDA build.
 $(STAMP): pyproject.toml
@@ -30,6 +30,10 @@ run: $(STAMP) $(TINY)/model.safetensors
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# Regenerate the gRPC/protobuf stubs (their one home is tessera/v1) from proto/.
+proto: $(STAMP)
+	cd proto && ../$(PY) -m grpc_tools.protoc -I. --python_out=.. --pyi_out=.. --grpc_python_out=.. tessera/v1/*.proto
 
 bench-models: $(STAMP)
 	test -f models/bench/model.safetensors || $(VENV)/bin/tessera make-model --preset bench models/bench

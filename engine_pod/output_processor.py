@@ -93,9 +93,8 @@ class OutputProcessor:
     def _add_logprobs(self, state: _ChildState, entries: list[Logprobs]) -> None:
         completion = state.completion
         for entry in entries:
-            ranks = [entry.sampled_rank] + list(range(1, len(entry.token_ids)))
             step = {}
-            for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, ranks):
+            for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
                 if token_id not in step:
                     step[token_id] = Logprob(logprob, rank, state.detokenizer.decode_token(token_id))
             completion.logprobs.append(step)

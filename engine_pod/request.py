@@ -50,6 +50,8 @@ class Request:
     # Prompt tokens served from the prefix cache when first scheduled (-1: not yet).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    # Wall-clock time of the step that first scheduled it (None: not yet).
+    first_scheduled_time: float | None = None
     stop_reason: int | str | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
     # Block size used for block_hashes; 0 when prefix caching is off.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _SAMPLING_EPS = 1e-5
@@ -54,6 +55,13 @@ class SamplingParams:
         def fail(field_name: str, msg: str) -> None:
             raise ValueError(f"SamplingParams.{field_name} {msg}")
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                fail(name, f"must be a finite number, got {value!r}")
+        for name in ("max_tokens", "min_tokens", "top_k", "n"):
+            if isinstance(getattr(self, name), bool):
+                fail(name, f"must be an integer, got {getattr(self, name)!r}")
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", f"must be an integer >= 1, got {self.n!r}")
         if self.temperature < 0:

@@ -7,6 +7,8 @@ import json
 import logging
 import sys
 
+from engine_pod.entrypoints.cli_args import add_engine_args, engine_kwargs
+
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from tessera.fixtures import make_model
@@ -25,16 +27,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
         raise ValueError("give at least one --prompt or a --prompts-file")
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        enable_prefix_caching=not args.no_prefix_caching,
-        device=args.device,
-    )
+    llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -83,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     mm.set_defaults(func=_cmd_make_model)
 
     gen = sub.add_parser("generate", help="generate offline with the engine")
-    gen.add_argument("--model", required=True, help="checkpoint folder")
+    add_engine_args(gen)
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     gen.add_argument("--prompts-file", help="a file with one prompt per line")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -92,18 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--n", type=int, default=1)
-    gen.add_argument("--dtype", default="auto")
-    gen.add_argument("--device", default=None)
-    gen.add_argument("--max-model-len", type=int, default=None)
-    gen.add_argument("--block-size", type=int, default=16)
-    gen.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    gen.add_argument("--max-num-seqs", type=int, default=256)
-    gen.add_argument("--no-prefix-caching", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per output")
     gen.set_defaults(func=_cmd_generate)
 
+    from engine_pod.server.main import add_parser as add_engine_parser
     from tessera.bench import add_bench_parser
 
+    add_engine_parser(sub)
     add_bench_parser(sub)
     return parser
 

@@ -10,6 +10,7 @@ running request is preempted by recompute.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -55,6 +56,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -190,6 +192,7 @@ class Scheduler:
             self.waiting.pop()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.time()
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -266,7 +269,10 @@ class Scheduler:
             request.append_output_token_ids(sampled)
             status, stop_reason = self._check_stop(request)
             cached = max(request.num_cached_tokens, 0)
-            out = EngineCoreOutput(req_id, sampled, runner_output.logprobs.get(req_id), num_cached_tokens=cached)
+            out = EngineCoreOutput(
+                req_id, sampled, runner_output.logprobs.get(req_id),
+                num_cached_tokens=cached, first_scheduled_time=request.first_scheduled_time,
+            )
             if status is not None:
                 request.status = status
                 request.stop_reason = stop_reason

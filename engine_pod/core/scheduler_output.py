@@ -54,6 +54,11 @@ class Logprobs:
     logprobs: list[float]
     sampled_rank: int
 
+    @property
+    def ranks(self) -> list[int]:
+        """Rank of each entry: the sampled token's own, then 1..k."""
+        return [self.sampled_rank, *range(1, len(self.token_ids))]
+
 
 @dataclass
 class ModelRunnerOutput:

@@ -1,0 +1,66 @@
+"""Between the Engine proto and the engine's own types.
+
+Every check that can fail raises ValueError naming the field, which the
+service turns into INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from engine_pod.core.scheduler import EngineCoreOutput
+from engine_pod.processor import Processor
+from engine_pod.request import Request
+from engine_pod.sampling_params import SamplingParams
+from tessera.v1 import engine_pb2 as pb
+
+_KNOWN_MODES = set(pb.KVTransferParams.Mode.values())
+
+
+def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
+    """Proto3 zeros mean "unset" where the proto says so (top_p, top_k,
+    repetition_penalty, max_tokens)."""
+    if p.max_tokens < 0:
+        raise ValueError(f"sampling_params.max_tokens must be >= 0 (0: up to max_model_len), got {p.max_tokens}")
+    return SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p if p.top_p != 0 else 1.0,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0 else 1.0,
+        max_tokens=p.max_tokens or None,
+        min_tokens=p.min_tokens,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+    )
+
+
+def request_from_proto(msg: pb.GenerateRequest, request_id: str, processor: Processor) -> Request:
+    mode = msg.kv_transfer.mode
+    if mode not in _KNOWN_MODES:
+        raise ValueError(f"kv_transfer.mode: unknown value {mode}; known: {sorted(_KNOWN_MODES)}")
+    if mode != pb.KVTransferParams.MODE_NONE:
+        raise NotImplementedError("kv_transfer.mode: KV transfer needs a KV store connector, which this pod lacks")
+    prompt = processor.process_prompt({"prompt_token_ids": list(msg.prompt_token_ids)})
+    params = processor.process_params(sampling_params_from_proto(msg.sampling_params))
+    return Request(
+        request_id, prompt.prompt_token_ids, params, priority=msg.priority, cache_salt=msg.cache_salt or None
+    )
+
+
+def response_from_output(out: EngineCoreOutput, num_prompt_tokens: int) -> pb.GenerateResponse:
+    resp = pb.GenerateResponse(
+        request_id=out.request_id,
+        token_ids=out.new_token_ids,
+        finish_reason=out.finish_reason or "",
+        num_cached_tokens=out.num_cached_tokens,
+        num_prompt_tokens=num_prompt_tokens,
+    )
+    if isinstance(out.stop_reason, int):
+        resp.stop_token_id = out.stop_reason
+    for lp in out.new_logprobs or ():
+        entries = [pb.TokenLogprob(token_id=t, logprob=v, rank=r) for t, v, r in zip(lp.token_ids, lp.logprobs, lp.ranks)]
+        resp.logprobs.append(pb.TokenLogprobs(entries=entries))
+    return resp

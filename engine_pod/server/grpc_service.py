@@ -1,0 +1,178 @@
+"""The tessera.v1.Engine gRPC service over the async engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import grpc
+from opentelemetry.trace import Status, StatusCode
+
+from engine_pod.processor import Processor
+from engine_pod.server.async_engine import AsyncEngine, StepOutput, StreamEnd
+from engine_pod.server.convert import request_from_proto, response_from_output
+from engine_pod.server.metrics import EngineMetrics
+from engine_pod.server.tracing import parent_context, tracer
+from tessera.v1 import engine_pb2 as pb
+from tessera.v1 import engine_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class EngineService(pb_grpc.EngineServicer):
+    def __init__(self, processor: Processor, metrics: EngineMetrics, role: str, max_waiting_requests: int) -> None:
+        # Attached once the model is loaded; until then the pod is not serving.
+        self.engine: AsyncEngine | None = None
+        self.processor = processor
+        self.metrics = metrics
+        self.role = role
+        self.max_waiting_requests = max_waiting_requests
+        self.serving = False  # flipped by the server after warm-up, and back when draining
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        if not self.serving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine pod is not serving (starting or draining)")
+        if self.engine.num_queued() >= self.max_waiting_requests:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"waiting queue is full ({self.max_waiting_requests} requests); retry later or elsewhere",
+            )
+        request_id = request.request_id or uuid.uuid4().hex
+        if self.engine.has_request(request_id):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
+        try:
+            engine_request = request_from_proto(request, request_id, self.processor)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except NotImplementedError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
+        arrival = time.time()
+        with tracer().start_as_current_span(
+            "engine.generate", context=parent_context(context.invocation_metadata())
+        ) as span:
+            span.set_attribute("tessera.request_id", request_id)
+            span.set_attribute("gen_ai.usage.input_tokens", engine_request.num_prompt_tokens)
+            queue = self.engine.add_request(engine_request)
+            stream = _RequestStream(request_id, engine_request.num_prompt_tokens, arrival, self.metrics, span)
+            try:
+                while True:
+                    item = await queue.get()
+                    response = stream.on_item(item)
+                    if response is not None:
+                        yield response
+                    if stream.done:
+                        break
+            except asyncio.CancelledError:
+                # The client went away: free the request's KV blocks now.
+                self.engine.abort(request_id)
+                stream.finish("abort", time.time())
+                raise
+            finally:
+                if stream.error is not None:
+                    span.set_status(Status(StatusCode.ERROR, str(stream.error)))
+        if stream.error is not None:
+            await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {stream.error!r}")
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        if self.engine is None:
+            return pb.AbortResponse()
+        return pb.AbortResponse(aborted=[rid for rid in request.request_ids if self.engine.abort(rid)])
+
+    def _load_report(self, request: pb.LoadRequest) -> pb.LoadReport:
+        if self.engine is None:
+            return pb.LoadReport(role=self.role, serving=False)
+        snap = self.engine.snapshot
+        kv = self.engine.core.scheduler.kv_cache_manager
+        matched = 0
+        # dict.get is atomic under the GIL, so reading the hash map while the
+        # engine thread runs is safe; the answer is as of this instant.
+        for block_hash in request.block_hashes:
+            if kv.block_pool.get_cached_block(block_hash) is None:
+                break
+            matched += 1
+        return pb.LoadReport(
+            role=self.role,
+            num_running=snap.num_running,
+            num_waiting=snap.num_waiting,
+            kv_cache_usage=snap.kv_cache_usage,
+            num_kv_blocks=kv.num_blocks,
+            num_free_kv_blocks=snap.num_free_blocks,
+            block_size=kv.block_size,
+            matched_prefix_blocks=matched,
+            serving=self.serving,
+        )
+
+    async def GetLoad(self, request: pb.LoadRequest, context) -> pb.LoadReport:
+        return self._load_report(request)
+
+    async def StreamLoad(self, request: pb.LoadRequest, context):
+        if request.interval_ms < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "interval_ms must be >= 0")
+        interval = (request.interval_ms or 1000) / 1000
+        while True:
+            yield self._load_report(request)
+            await asyncio.sleep(interval)
+
+
+class _RequestStream:
+    """Turns one request's engine outputs into responses, metrics and span events."""
+
+    def __init__(self, request_id: str, num_prompt_tokens: int, arrival: float, metrics: EngineMetrics, span) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.arrival = arrival
+        self.metrics = metrics
+        self.span = span
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_output_tokens = 0
+        self.done = False
+        self.error: BaseException | None = None
+
+    def on_item(self, item: StepOutput | StreamEnd) -> pb.GenerateResponse | None:
+        if isinstance(item, StreamEnd):
+            self.error = item.error
+            self.finish(item.reason, time.time())
+            if item.reason == "abort":
+                return pb.GenerateResponse(request_id=self.request_id, finish_reason="abort")
+            return None
+        out, now = item.output, item.step_end_time
+        if self.first_token_time is None:
+            self.first_token_time = now
+            scheduled = out.first_scheduled_time
+            if scheduled is not None:
+                self.span.add_event("scheduled", timestamp=int(scheduled * 1e9))
+            self.span.add_event("first_token", timestamp=int(now * 1e9))
+            self.span.set_attribute("tessera.cached_tokens", out.num_cached_tokens)
+            self.metrics.on_first_token(self.num_prompt_tokens, self.arrival, scheduled, now)
+            since_last = None
+        else:
+            since_last = now - self.last_token_time
+        self.last_token_time = now
+        self.num_output_tokens += len(out.new_token_ids)
+        self.metrics.on_tokens(len(out.new_token_ids), since_last)
+        response = response_from_output(out, self.num_prompt_tokens)
+        response.timing.CopyFrom(pb.Timing(
+            arrival_time=self.arrival,
+            first_scheduled_time=out.first_scheduled_time or 0.0,
+            first_token_time=self.first_token_time,
+            last_token_time=now,
+        ))
+        if out.finished:
+            self.finish(out.finish_reason, now)
+        return response
+
+    def finish(self, reason: str, now: float) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.metrics.on_finished(reason, self.arrival, now)
+        self.span.set_attribute("gen_ai.usage.output_tokens", self.num_output_tokens)
+        self.span.set_attribute("tessera.finish_reason", reason)
+        self.span.add_event("finished", timestamp=int(now * 1e9))

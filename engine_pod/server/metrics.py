@@ -1,0 +1,73 @@
+"""Prometheus metrics of an engine pod, with the meanings of vLLM's.
+
+Gauges and the step counters are fed by the engine thread after each step;
+per-request counters and latency histograms when a request's outputs reach
+its stream (first token, each later token, the end).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine_pod.core.stats import SchedulerStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("tessera:num_requests_running", "Requests in the running set")
+        self.num_requests_waiting = gauge("tessera:num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_cache_usage = gauge("tessera:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)")
+        self.prefix_cache_queries = counter("tessera:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = counter("tessera:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.num_preemptions = counter("tessera:num_preemptions", "Requests preempted (recompute)")
+        self.prompt_tokens = counter("tessera:prompt_tokens", "Prompt tokens processed (counted at the first token)")
+        self.generation_tokens = counter("tessera:generation_tokens", "Generated tokens")
+        self._request_success = Counter(
+            "tessera:request_success", "Finished requests by finish reason", labels + ["finished_reason"], registry=r
+        )
+        self._model = model_name
+        self.queue_time = histogram("tessera:request_queue_time_seconds", "Arrival to first scheduled", _LATENCY_BUCKETS)
+        self.ttft = histogram("tessera:time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS)
+        self.itl = histogram("tessera:inter_token_latency_seconds", "Time between output tokens", _ITL_BUCKETS)
+        self.e2e = histogram("tessera:e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
+
+    def on_step(self, stats: SchedulerStats) -> None:
+        self.num_requests_running.set(stats.num_running_reqs)
+        self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        self.num_preemptions.inc(stats.num_preemptions)
+
+    def on_first_token(self, num_prompt_tokens: int, arrival: float, scheduled: float | None, now: float) -> None:
+        """The prompt is fully processed: count it, and the request's waits."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.ttft.observe(max(0.0, now - arrival))
+        if scheduled is not None:
+            self.queue_time.observe(max(0.0, scheduled - arrival))
+
+    def on_tokens(self, num_tokens: int, since_last: float | None) -> None:
+        self.generation_tokens.inc(num_tokens)
+        if since_last is not None:
+            self.itl.observe(since_last)
+
+    def on_finished(self, reason: str, arrival: float, end: float) -> None:
+        self._request_success.labels(self._model, reason).inc()
+        self.e2e.observe(max(0.0, end - arrival))

@@ -1,0 +1,37 @@
+"""Client helpers over the generated stubs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from tessera.v1 import engine_pb2 as pb
+from tessera.v1 import engine_pb2_grpc as pb_grpc
+
+
+def greedy(prompt: list[int], max_tokens: int, request_id: str = "", **params) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=pb.SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, **params}),
+    )
+
+
+async def collect(stub: pb_grpc.EngineStub, request: pb.GenerateRequest, metadata=()) -> tuple[list[int], str]:
+    tokens, reason = [], ""
+    async for resp in stub.Generate(request, metadata=metadata):
+        tokens.extend(resp.token_ids)
+        reason = resp.finish_reason or reason
+    return tokens, reason
+
+
+async def generate_all(address: str, requests: list[pb.GenerateRequest]) -> list[tuple[list[int], str]]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.EngineStub(channel)
+        return await asyncio.gather(*(collect(stub, r) for r in requests))
+
+
+def load(address: str, block_hashes: list[bytes] = ()) -> pb.LoadReport:
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.EngineStub(channel).GetLoad(pb.LoadRequest(block_hashes=list(block_hashes)), timeout=5)

@@ -1,0 +1,106 @@
+"""Prometheus metrics and OpenTelemetry spans of the engine pod."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from concurrent import futures
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_pod.server.process import EnginePodProcess, free_port
+from tests.pod.client import generate_all, greedy
+from tests.pod.conftest import POD_ARGS
+
+
+def _scrape(pod) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{pod.metrics_port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            samples[(s.name, labels)] = s.value
+    return samples
+
+
+def test_metrics_move_as_expected(pod):
+    before = _scrape(pod)
+    prompts = [[5] * 10, [6] * 20, [7] * 30]
+    max_tokens = [4, 8, 12]
+    asyncio.run(generate_all(pod.address, [greedy(p, n, ignore_eos=True) for p, n in zip(prompts, max_tokens)]))
+    after = _scrape(pod)
+
+    def delta(name, labels=()):
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    assert delta("tessera:prompt_tokens_total") == 60
+    assert delta("tessera:generation_tokens_total") == 24
+    assert delta("tessera:request_success_total", (("finished_reason", "length"),)) == 3
+    assert delta("tessera:prefix_cache_queries_total") == 60
+    assert delta("tessera:time_to_first_token_seconds_count") == 3
+    assert delta("tessera:request_queue_time_seconds_count") == 3
+    assert delta("tessera:e2e_request_latency_seconds_count") == 3
+    assert delta("tessera:inter_token_latency_seconds_count") == sum(n - 1 for n in max_tokens)
+    assert delta("tessera:e2e_request_latency_seconds_sum") > 0
+    assert after[("tessera:num_requests_running", ())] == 0
+    assert after[("tessera:kv_cache_usage_perc", ())] == 0
+
+
+class _Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self) -> None:
+        self.spans = []
+
+    def Export(self, request, context):
+        for resource_spans in request.resource_spans:
+            for scope_spans in resource_spans.scope_spans:
+                self.spans.extend(scope_spans.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+@pytest.fixture
+def otlp_collector():
+    collector = _Collector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    yield collector, port
+    server.stop(0)
+
+
+def test_request_span_is_a_child_of_the_callers_trace(tiny_llama, tmp_path, otlp_collector):
+    collector, port = otlp_collector
+    env = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+    trace_id, parent_span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    with EnginePodProcess(tiny_llama, POD_ARGS, env=env, log_path=tmp_path / "pod.log") as pod:
+        pod.wait_serving()
+
+        async def run():
+            async with grpc.aio.insecure_channel(pod.address) as channel:
+                from tessera.v1 import engine_pb2_grpc as pb_grpc
+                from tests.pod.client import collect
+
+                metadata = (("traceparent", f"00-{trace_id}-{parent_span_id}-01"),)
+                return await collect(pb_grpc.EngineStub(channel), greedy([5] * 12, 3), metadata=metadata)
+
+        tokens, _ = asyncio.run(run())
+        assert len(tokens) == 3
+    # SIGTERM shut the pod down, which flushes its span processor.
+    spans = [s for s in collector.spans if s.name == "engine.generate"]
+    assert len(spans) == 1
+    span = spans[0]
+    assert span.trace_id.hex() == trace_id
+    assert span.parent_span_id.hex() == parent_span_id
+    attrs = {a.key: a.value for a in span.attributes}
+    assert attrs["gen_ai.usage.input_tokens"].int_value == 12
+    assert attrs["gen_ai.usage.output_tokens"].int_value == 3
+    assert {e.name for e in span.events} == {"scheduled", "first_token", "finished"}
