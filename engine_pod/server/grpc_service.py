@@ -11,7 +11,7 @@ import grpc
 from opentelemetry.trace import Status, StatusCode
 
 from engine_pod.processor import Processor
-from engine_pod.server.async_engine import AsyncEngine, StepOutput, StreamEnd
+from engine_pod.server.async_engine import AsyncEngine, EngineDeadError, StepOutput, StreamEnd
 from engine_pod.server.convert import request_from_proto, response_from_output
 from engine_pod.server.metrics import EngineMetrics
 from engine_pod.server.tracing import parent_context, tracer
@@ -58,7 +58,10 @@ class EngineService(pb_grpc.EngineServicer):
         ) as span:
             span.set_attribute("tessera.request_id", request_id)
             span.set_attribute("gen_ai.usage.input_tokens", engine_request.num_prompt_tokens)
-            queue = self.engine.add_request(engine_request)
+            try:
+                queue = self.engine.add_request(engine_request)
+            except EngineDeadError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             stream = _RequestStream(request_id, engine_request.num_prompt_tokens, arrival, self.metrics, span)
             try:
                 while True:
