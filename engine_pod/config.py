@@ -48,11 +48,37 @@ class CacheConfig:
 
 
 @dataclass
+class KVStoreConfig:
+    """The tiered KV store this engine shares blocks through (off by default)."""
+
+    host_bytes: int = 0
+    redis_url: str | None = None
+    redis_ttl_seconds: int = 3600
+    redis_cluster: bool = False
+    write_queue_size: int = 256
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host_bytes, int) or self.host_bytes < 0:
+            raise ValueError(f"kv_host_bytes must be an integer >= 0, got {self.host_bytes!r}")
+        if self.write_queue_size < 1:
+            raise ValueError(f"kv_write_queue_size must be >= 1, got {self.write_queue_size}")
+        if self.redis_url is not None:
+            from kv_store.redis_tier import RedisTierConfig
+
+            RedisTierConfig(self.redis_url, self.redis_ttl_seconds, self.redis_cluster)  # validates
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes > 0 or self.redis_url is not None
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: torch.device
+    kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
     attention_backend: str = "auto"
     seed: int = 0
     extra: dict = field(default_factory=dict)
@@ -128,6 +154,11 @@ def create_engine_config(
     device: str | None = None,
     attention_backend: str = "auto",
     seed: int = 0,
+    kv_host_bytes: int = 0,
+    kv_redis_url: str | None = None,
+    kv_redis_ttl: int = 3600,
+    kv_redis_cluster: bool = False,
+    kv_write_queue_size: int = 256,
 ) -> EngineConfig:
     path = Path(model)
     arch = load_arch_config(path)
@@ -154,6 +185,7 @@ def create_engine_config(
             policy=policy,
         ),
         device=dev,
+        kv_store=KVStoreConfig(kv_host_bytes, kv_redis_url, kv_redis_ttl, kv_redis_cluster, kv_write_queue_size),
         attention_backend=attention_backend,
         seed=seed,
     )

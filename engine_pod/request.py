@@ -43,6 +43,9 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
+    # P/D: "produce" (a prefill pod: save prompt blocks to Redis before the
+    # first token is reported) or None.
+    kv_transfer_mode: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -39,3 +39,13 @@ def tiny_mistral() -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama3_rope() -> Path:
     return checkpoint("tiny-llama3-rope")
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server of our own on a free port, stopped afterwards."""
+    from kv_store.local_redis import RedisServer
+
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()

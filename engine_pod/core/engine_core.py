@@ -6,10 +6,12 @@ import logging
 
 from engine_pod.config import EngineConfig
 from engine_pod.core.kv_cache_manager import KVCacheManager
+from engine_pod.core.kv_connector import KVConnectorScheduler
 from engine_pod.core.scheduler import EngineCoreOutput, Scheduler
 from engine_pod.core.stats import EngineTotals, SchedulerStats
 from engine_pod.executor import Executor, UniProcExecutor
 from engine_pod.request import Request, RequestStatus
+from engine_pod.worker.kv_store_factory import build_kv_store
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +32,14 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, kv)
+        self.kv_store = build_kv_store(config) if config.kv_store.enabled else None
+        connector = None
+        if self.kv_store is not None:
+            if not config.cache.enable_prefix_caching:
+                raise ValueError("the KV store addresses blocks by their prefix hashes: it needs enable_prefix_caching")
+            self.executor.attach_kv_store(self.kv_store)
+            connector = KVConnectorScheduler(self.kv_store, block_size)
+        self.scheduler = Scheduler(config.scheduler, kv, connector)
         self.totals = EngineTotals()
         self.last_stats = SchedulerStats()
         logger.info("engine core ready: %d KV blocks of %d tokens", num_blocks, block_size)
@@ -62,3 +71,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.kv_store is not None:
+            self.kv_store.close()

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine_pod.core.kv_cache_manager import KVCacheManager
+from engine_pod.core.kv_connector import KVConnectorScheduler
 from engine_pod.core.request_queue import SchedulingPolicy, create_request_queue
 from engine_pod.core.scheduler_output import (
     CachedRequestData,
@@ -64,9 +65,15 @@ class EngineCoreOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+        connector: KVConnectorScheduler | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.connector = connector
+        if connector is not None:
+            kv_cache_manager.block_pool.on_evict = connector.on_evict
         self.block_size = kv_cache_manager.block_size
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
@@ -145,6 +152,7 @@ class Scheduler:
                 # need not be last); idx already names the next one.
                 continue
             scheduled_running.append(request)
+            self._on_scheduled(request, request.num_computed_tokens, num_new)
             num_scheduled[request.request_id] = num_new
             new_blocks[request.request_id] = [b.block_id for b in blocks]
             budget -= num_new
@@ -176,24 +184,30 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
-            hits, num_hit_tokens = [], 0
+            hits, num_hit_tokens, loaded = [], 0, []
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = self._num_tokens_to_schedule(request, num_hit_tokens, budget)
+                if self.connector is not None:
+                    loaded = self.connector.match(request, num_hit_tokens)
+            num_computed = num_hit_tokens + len(loaded) * self.block_size
+            num_new = self._num_tokens_to_schedule(request, num_computed, budget)
             if num_new <= 0:
                 break
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit_tokens)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_computed)
             if blocks is None:
                 break
             if request.num_computed_tokens == 0:
                 # Counted on admission only, so a request that waits several
                 # steps is one query, not one per attempt.
                 self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            if loaded:
+                self.connector.on_allocated(blocks, loaded)
             self.waiting.pop()
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = num_computed
                 request.first_scheduled_time = time.time()
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_computed
+            self._on_scheduled(request, num_computed, num_new)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled_new.append(request)
@@ -201,12 +215,19 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _on_scheduled(self, request: Request, num_computed: int, num_new: int) -> None:
+        if self.connector is not None:
+            blocks = self.kv_cache_manager.req_to_blocks[request.request_id]
+            self.connector.on_scheduled(request, blocks, num_computed, num_new)
+
     def _pick_victim(self) -> Request:
         if self.config.policy == SchedulingPolicy.PRIORITY:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return max(self.running, key=lambda r: r.arrival_time)
 
     def _preempt(self, request: Request) -> None:
+        if self.connector is not None:
+            self.connector.on_preempted(request)
         self.running.remove(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -254,6 +275,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted_ids,
+            kv_connector=self.connector.take_metadata() if self.connector is not None else None,
         )
 
     # -- results ----------------------------------------------------------
@@ -297,6 +319,12 @@ class Scheduler:
         return None, None
 
     # -- stats ------------------------------------------------------------
+    def _take_external_hits(self) -> int:
+        if self.connector is None:
+            return 0
+        hits, self.connector.num_external_hit_tokens = self.connector.num_external_hit_tokens, 0
+        return hits
+
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         pool = kv.block_pool
@@ -312,6 +340,7 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=self._num_new_preemptions,
             kv_waste_slots=waste,
+            external_prefix_hits=self._take_external_hits(),
         )
         self._num_new_preemptions = 0
         return stats

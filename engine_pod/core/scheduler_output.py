@@ -30,6 +30,25 @@ class CachedRequestData:
 
 
 @dataclass
+class KVConnectorMetadata:
+    """What the runner does with the KV store around this step's forward.
+
+    Order matters: offloads read blocks evicted this step before loads and
+    the forward overwrite them; saves read blocks the forward just filled.
+    """
+
+    # (block id, block hash): evicted from the prefix cache, copy to the host tier first.
+    offloads: list[tuple[int, bytes]] = field(default_factory=list)
+    # (block id, decoded block [layers, 2, block_size, kv heads, head dim]) to write in.
+    loads: list[tuple[int, object]] = field(default_factory=list)
+    # (block id, block hash, write to Redis before the step returns) filled this step.
+    saves: list[tuple[int, bytes, bool]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.offloads or self.loads or self.saves)
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -40,6 +59,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Requests preempted this step: the runner keeps their state for resumption.
     preempted_req_ids: set[str] = field(default_factory=set)
+    kv_connector: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -18,6 +18,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     # Allocated KV slots of running requests minus the slots they have filled.
     kv_waste_slots: int = 0
+    # Prompt tokens loaded from the KV store instead of computed.
+    external_prefix_hits: int = 0
 
 
 @dataclass
@@ -30,12 +32,14 @@ class EngineTotals:
     num_preemptions: int = 0
     max_kv_waste_slots: int = 0
     max_kv_waste_per_request: float = 0.0
+    external_prefix_hits: int = 0
 
     def add(self, stats: SchedulerStats) -> None:
         self.steps += 1
         self.prefix_cache_queries += stats.prefix_cache_queries
         self.prefix_cache_hits += stats.prefix_cache_hits
         self.num_preemptions += stats.num_preemptions
+        self.external_prefix_hits += stats.external_prefix_hits
         self.max_kv_waste_slots = max(self.max_kv_waste_slots, stats.kv_waste_slots)
         if stats.num_running_reqs:
             per_req = stats.kv_waste_slots / stats.num_running_reqs

@@ -20,6 +20,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    k = parser.add_argument_group("KV store")
+    k.add_argument("--kv-host-bytes", type=int, default=0, help="host-memory tier budget in bytes (0: off)")
+    k.add_argument("--kv-redis-url", default=None, help="redis:// or rediss:// URL of the shared tier")
+    k.add_argument("--kv-redis-ttl", type=int, default=3600, help="seconds a block lives in Redis")
+    k.add_argument("--kv-redis-cluster", action="store_true", help="the URL names a Redis Cluster")
+    k.add_argument("--kv-write-queue-size", type=int, default=256,
+                   help="Redis write-behind queue; beyond it writes are dropped (and counted)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -37,4 +44,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
         scheduling_policy=args.scheduling_policy,
+        kv_host_bytes=args.kv_host_bytes,
+        kv_redis_url=args.kv_redis_url,
+        kv_redis_ttl=args.kv_redis_ttl,
+        kv_redis_cluster=args.kv_redis_cluster,
+        kv_write_queue_size=args.kv_write_queue_size,
     )

@@ -16,6 +16,10 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
     @abstractmethod
+    def attach_kv_store(self, store) -> None:
+        """Give the worker(s) the KV store their connector moves blocks through."""
+
+    @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     @property

@@ -37,16 +37,35 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def request_from_proto(msg: pb.GenerateRequest, request_id: str, processor: Processor) -> Request:
+# Which P/D modes each pod role accepts.
+_ROLE_MODES = {
+    "mixed": {pb.KVTransferParams.MODE_NONE, pb.KVTransferParams.MODE_PRODUCE, pb.KVTransferParams.MODE_CONSUME},
+    "prefill": {pb.KVTransferParams.MODE_NONE, pb.KVTransferParams.MODE_PRODUCE},
+    "decode": {pb.KVTransferParams.MODE_NONE, pb.KVTransferParams.MODE_CONSUME},
+}
+
+
+def request_from_proto(
+    msg: pb.GenerateRequest, request_id: str, processor: Processor, role: str, shared_kv_store: bool
+) -> Request:
+    """ValueError: bad input (INVALID_ARGUMENT); NotImplementedError: a mode this
+    pod cannot serve (FAILED_PRECONDITION)."""
     mode = msg.kv_transfer.mode
     if mode not in _KNOWN_MODES:
         raise ValueError(f"kv_transfer.mode: unknown value {mode}; known: {sorted(_KNOWN_MODES)}")
-    if mode != pb.KVTransferParams.MODE_NONE:
-        raise NotImplementedError("kv_transfer.mode: KV transfer needs a KV store connector, which this pod lacks")
+    if mode not in _ROLE_MODES[role]:
+        raise NotImplementedError(f"kv_transfer.mode: {pb.KVTransferParams.Mode.Name(mode)} is not served by a {role} pod")
+    if mode != pb.KVTransferParams.MODE_NONE and not shared_kv_store:
+        raise NotImplementedError("kv_transfer.mode: P/D transfer needs a shared KV store (--kv-redis-url)")
     prompt = processor.process_prompt({"prompt_token_ids": list(msg.prompt_token_ids)})
     params = processor.process_params(sampling_params_from_proto(msg.sampling_params))
+    produce = mode == pb.KVTransferParams.MODE_PRODUCE
+    if produce:
+        # A prefill pod computes the prompt and reports its first token only.
+        params.max_tokens, params.min_tokens = 1, 0
     return Request(
-        request_id, prompt.prompt_token_ids, params, priority=msg.priority, cache_salt=msg.cache_salt or None
+        request_id, prompt.prompt_token_ids, params, priority=msg.priority, cache_salt=msg.cache_salt or None,
+        kv_transfer_mode="produce" if produce else None,
     )
 
 

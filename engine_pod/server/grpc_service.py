@@ -46,7 +46,9 @@ class EngineService(pb_grpc.EngineServicer):
         if self.engine.has_request(request_id):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
         try:
-            engine_request = request_from_proto(request, request_id, self.processor)
+            engine_request = request_from_proto(
+                request, request_id, self.processor, self.role, self.processor.config.kv_store.redis_url is not None
+            )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except NotImplementedError as e:

@@ -33,7 +33,7 @@ from engine_pod.request import Request
 from engine_pod.sampling_params import SamplingParams
 from engine_pod.server.async_engine import AsyncEngine, StreamEnd
 from engine_pod.server.grpc_service import EngineService
-from engine_pod.server.metrics import EngineMetrics
+from engine_pod.server.metrics import EngineMetrics, KVStoreCollector
 from engine_pod.server.tracing import configure_tracing
 from tessera.text import load_eos_token_ids
 from tessera.v1 import engine_pb2, engine_pb2_grpc
@@ -185,6 +185,8 @@ def serve(args: argparse.Namespace) -> int:
         if args.metrics_port:
             start_http_server(args.metrics_port, addr=args.host, registry=metrics.registry)
         core = EngineCore(config)
+        if core.kv_store is not None:
+            metrics.registry.register(KVStoreCollector(core.kv_store, model_name))
         engine = AsyncEngine(core, frontend.loop)
         service.attach(engine)
         banner = (f"tessera engine ready: role={args.role} grpc={frontend.address} "
@@ -194,6 +196,7 @@ def serve(args: argparse.Namespace) -> int:
         )
         engine.run()  # until the lifecycle stops it
         lifecycle.result(timeout=30)
+        core.shutdown()
     finally:
         frontend.close()
     print("tessera engine stopped", flush=True)

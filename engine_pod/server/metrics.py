@@ -71,3 +71,48 @@ class EngineMetrics:
     def on_finished(self, reason: str, arrival: float, end: float) -> None:
         self._request_success.labels(self._model, reason).inc()
         self.e2e.observe(max(0.0, end - arrival))
+
+
+class KVStoreCollector:
+    """Exposes the tiered KV store's counters at scrape time (no hot-path cost)."""
+
+    def __init__(self, store, model_name: str) -> None:
+        self.store = store
+        self.model_name = model_name
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+
+        s, labels = self.store.stats, ["model_name"]
+        m = [self.model_name]
+
+        def counter(name, doc, value):
+            fam = CounterMetricFamily(name, doc, labels=labels)
+            fam.add_metric(m, value)
+            return fam
+
+        def per_tier(name, doc, host, redis):
+            fam = CounterMetricFamily(name, doc, labels=labels + ["tier"])
+            fam.add_metric(m + ["host"], host)
+            fam.add_metric(m + ["redis"], redis)
+            return fam
+
+        yield counter("tessera:kv_store_lookups", "Blocks looked up in the KV store", s.lookups)
+        yield per_tier("tessera:kv_store_hits", "Blocks loaded from the KV store", s.host_hits, s.redis_hits)
+        yield per_tier("tessera:kv_store_read_bytes", "Bytes read from the KV store", s.bytes_read_host, s.bytes_read_redis)
+        yield per_tier("tessera:kv_store_written_bytes", "Bytes written to the KV store",
+                       s.bytes_written_host, s.bytes_written_redis)
+        yield counter("tessera:kv_store_write_drops", "Redis writes dropped (write-behind queue full)", s.writes_dropped)
+        yield counter("tessera:kv_store_corrupt_values", "Stored blocks that failed validation (deleted)", s.corrupt_values)
+        summary = SummaryMetricFamily("tessera:kv_store_load_seconds", "Time to load a run of blocks", labels=labels)
+        summary.add_metric(m, count_value=s.loads, sum_value=s.load_seconds)
+        yield summary
+        host = GaugeMetricFamily("tessera:kv_store_host_bytes", "Bytes held by the host tier", labels=labels)
+        host.add_metric(m, self.store.host.used_bytes)
+        yield host
+        remote = self.store.remote
+        if remote is not None:
+            up = GaugeMetricFamily("tessera:kv_store_redis_up", "1 if the last Redis call succeeded", labels=labels)
+            up.add_metric(m, 1.0 if remote.available else 0.0)
+            yield up
+            yield counter("tessera:kv_store_redis_errors", "Failed Redis calls", remote.errors)

@@ -15,11 +15,13 @@ def bytes_per_block(cfg: ModelArchConfig, block_size: int, dtype: torch.dtype) -
 
 def allocate_kv_caches(
     cfg: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, Hkv, D] tensor per layer (K then V).
+) -> torch.Tensor:
+    """One [layers, 2, num_blocks, block_size, Hkv, D] tensor (K then V);
+    layer l's cache is the contiguous view ``[l]``. One tensor lets the KV
+    connector move a block across all layers with a single index_select.
 
     Zeroed, not empty: attention masks unwritten slots, but a masked NaN
     from uninitialised memory would still poison the weighted sum.
     """
-    shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+    shape = (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)

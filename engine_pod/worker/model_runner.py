@@ -24,6 +24,8 @@ from engine_pod.sample.metadata import SamplingMetadata
 from engine_pod.sample.sampler import Sampler, SamplerOutput
 from engine_pod.worker.cpu_malloc import keep_freed_memory_in_heap
 from engine_pod.worker.kv_cache import allocate_kv_caches, bytes_per_block
+from engine_pod.worker.kv_connector_worker import KVConnectorWorker
+from kv_store.tiered_store import TieredKVStore
 from engine_pod.worker.request_state import CachedRequestState
 
 logger = logging.getLogger(__name__)
@@ -56,7 +58,9 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_cache: torch.Tensor | None = None  # [layers, 2, blocks, block_size, Hkv, D]
+        self.kv_caches: list[torch.Tensor] = []  # per-layer views of kv_cache
+        self.kv_connector: KVConnectorWorker | None = None
         # Seconds spent in the forward and logits (for the efficiency figure).
         self.forward_seconds = 0.0
 
@@ -82,7 +86,7 @@ class ModelRunner:
         num_blocks = sum(-(-n // self.block_size) for n in lens)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        caches = allocate_kv_caches(self.arch, num_blocks, self.block_size, self.dtype, self.device)
+        caches = list(allocate_kv_caches(self.arch, num_blocks, self.block_size, self.dtype, self.device))
         block_ids, next_block = [], 0
         for n in lens:
             nb = -(-n // self.block_size)
@@ -106,12 +110,19 @@ class ModelRunner:
         return int(budget)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.arch, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_cache = allocate_kv_caches(self.arch, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+
+    def attach_kv_store(self, store: TieredKVStore) -> None:
+        self.kv_connector = KVConnectorWorker(store, self.kv_cache)
 
     # -- one step ---------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        connector_meta = so.kv_connector if self.kv_connector is not None else None
+        if connector_meta:
+            self.kv_connector.before_forward(connector_meta)
         if so.is_empty:
             return ModelRunnerOutput({})
         batch = self._prepare_inputs(so)
@@ -119,6 +130,8 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
         logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sampling_states else None
         self.forward_seconds += time.perf_counter() - start
+        if connector_meta:
+            self.kv_connector.after_forward(connector_meta)
         if logits is None:
             return ModelRunnerOutput({})
         out = self.sampler(logits, self._sampling_metadata(batch.sampling_states))

@@ -1,0 +1,26 @@
+"""Build the tiered KV store an engine uses, from its config."""
+
+from __future__ import annotations
+
+from engine_pod.config import EngineConfig
+from kv_store.codec import BlockCodec, BlockLayout
+from kv_store.fingerprint import model_fingerprint
+from kv_store.host_tier import HostMemoryTier
+from kv_store.redis_tier import RedisTier, RedisTierConfig
+from kv_store.tiered_store import TieredKVStore
+
+
+def build_kv_store(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> TieredKVStore:
+    arch, kv = config.model.arch, config.kv_store
+    dtype_name = str(config.model.dtype).removeprefix("torch.")
+    fingerprint = model_fingerprint(config.model.path, dtype_name)
+    layout = BlockLayout(
+        fingerprint=fingerprint, tp_rank=tp_rank, tp_size=tp_size, num_layers=arch.num_hidden_layers,
+        block_size=config.cache.block_size, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
+        dtype=config.model.dtype,
+    )
+    remote = None
+    if kv.redis_url is not None:
+        redis_config = RedisTierConfig(kv.redis_url, kv.redis_ttl_seconds, kv.redis_cluster)
+        remote = RedisTier(redis_config, namespace=f"tessera:{fingerprint.hex()}:{tp_rank}/{tp_size}:")
+    return TieredKVStore(BlockCodec(layout), HostMemoryTier(kv.host_bytes), remote, kv.write_queue_size)

@@ -1,0 +1,195 @@
+"""The tiered store: the host tier in front of the (optional) Redis tier.
+
+``put`` lands in the host tier at once and reaches Redis through a bounded
+write-behind queue (full queue: the write is dropped and counted, never
+waited for). ``get_blocks`` returns the leading run of valid blocks: host
+first, then one Redis round trip for the rest; Redis hits are promoted to
+the host tier; a value that fails validation is deleted and counted, and
+the run stops there (a miss: the engine recomputes).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from kv_store.codec import BlockCodec, CorruptBlockError
+from kv_store.host_tier import HostMemoryTier
+from kv_store.redis_tier import RedisTier
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+@dataclass
+class KVStoreStats:
+    """Counters since start (blocks unless named otherwise)."""
+
+    lookups: int = 0
+    host_hits: int = 0
+    redis_hits: int = 0
+    bytes_read_host: int = 0
+    bytes_read_redis: int = 0
+    bytes_written_host: int = 0
+    bytes_written_redis: int = 0
+    writes_dropped: int = 0
+    corrupt_values: int = 0
+    load_seconds: float = 0.0
+    loads: int = 0
+    load_latencies: list[float] = field(default_factory=list, repr=False)
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "load_latencies"}
+
+
+class TieredKVStore:
+    def __init__(self, codec: BlockCodec, host: HostMemoryTier, remote: RedisTier | None = None,
+                 write_queue_size: int = 256) -> None:
+        self.codec = codec
+        self.host = host
+        self.remote = remote
+        self.stats = KVStoreStats()
+        self._stats_lock = threading.Lock()
+        self._writes: queue.Queue = queue.Queue(maxsize=write_queue_size)
+        self._writer = None
+        if remote is not None:
+            self._writer = threading.Thread(target=self._write_behind, name="kv-write-behind", daemon=True)
+            self._writer.start()
+
+    # -- reads ------------------------------------------------------------
+    def lookup(self, hashes: list[bytes]) -> int:
+        """How many leading blocks some tier holds (without reading them)."""
+        n = self.host.num_leading_hits(hashes)
+        if n == len(hashes) or self.remote is None:
+            return n
+        rest = hashes[n:]
+        present = self.remote.exists_many([h for h in rest if h not in self.host])
+        it = iter(present)
+        for h in rest:
+            if h not in self.host and not next(it):
+                break
+            n += 1
+        return n
+
+    def get_blocks(self, hashes: list[bytes]) -> list[torch.Tensor]:
+        """Decoded blocks for the leading hashes that every check accepts."""
+        if not hashes:
+            return []
+        start = time.perf_counter()
+        blocks: list[torch.Tensor] = []
+        missing: list[int] = []
+        values: list[bytes | None] = []
+        for i, h in enumerate(hashes):
+            value = self.host.get(h)
+            values.append(value)
+            if value is None:
+                missing.append(i)
+        if missing and self.remote is not None:
+            fetched = self.remote.get_many([hashes[i] for i in missing])
+            for i, value in zip(missing, fetched):
+                values[i] = value
+        from_remote = set(missing)
+        host_hits = redis_hits = bytes_host = bytes_redis = corrupt = 0
+        for i, (h, value) in enumerate(zip(hashes, values)):
+            if value is None:
+                break
+            from_redis = i in from_remote
+            try:
+                blocks.append(self.codec.decode(h, value))
+            except CorruptBlockError as e:
+                logger.warning("kv store: dropping corrupt block %s from %s (%s)",
+                               h.hex()[:12], "redis" if from_redis else "host", e)
+                corrupt += 1
+                (self.remote.delete if from_redis else self.host.delete)(h)
+                break
+            if from_redis:
+                redis_hits += 1
+                bytes_redis += len(value)
+                self.host.put(h, value)
+            else:
+                host_hits += 1
+                bytes_host += len(value)
+        elapsed = time.perf_counter() - start
+        with self._stats_lock:
+            s = self.stats
+            s.lookups += len(hashes)
+            s.host_hits += host_hits
+            s.redis_hits += redis_hits
+            s.bytes_read_host += bytes_host
+            s.bytes_read_redis += bytes_redis
+            s.corrupt_values += corrupt
+            if blocks:
+                s.loads += 1
+                s.load_seconds += elapsed
+                s.load_latencies.append(elapsed)
+                del s.load_latencies[:-1000]
+        return blocks
+
+    # -- writes -----------------------------------------------------------
+    def put(self, block_hash: bytes, block: torch.Tensor, sync_remote: bool = False) -> None:
+        """Store a block: host tier now, Redis behind (or now, with sync_remote)."""
+        value = self.codec.encode(block_hash, block)
+        self.put_encoded(block_hash, value, sync_remote)
+
+    def put_encoded(self, block_hash: bytes, value: bytes, sync_remote: bool = False) -> None:
+        if self.host.put(block_hash, value):
+            with self._stats_lock:
+                self.stats.bytes_written_host += len(value)
+        if self.remote is None:
+            return
+        if sync_remote:
+            if self.remote.put_many([(block_hash, value)]):
+                with self._stats_lock:
+                    self.stats.bytes_written_redis += len(value)
+            return
+        try:
+            self._writes.put_nowait((block_hash, value))
+        except queue.Full:
+            with self._stats_lock:
+                self.stats.writes_dropped += 1
+
+    def _write_behind(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is _STOP:
+                return
+            batch = [item]
+            # Drain what is queued into one pipeline round trip.
+            while len(batch) < 64:
+                try:
+                    nxt = self._writes.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is _STOP:
+                    self._flush_batch(batch)
+                    return
+                batch.append(nxt)
+            self._flush_batch(batch)
+
+    def _flush_batch(self, batch: list[tuple[bytes, bytes]]) -> None:
+        if self.remote.put_many(batch):
+            with self._stats_lock:
+                self.stats.bytes_written_redis += sum(len(v) for _, v in batch)
+        for _ in batch:
+            self._writes.task_done()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until queued Redis writes are done (for tests and shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self._writes.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._writes.unfinished_tasks
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self.flush()
+            self._writes.put(_STOP)
+            self._writer.join(timeout=5)
+        if self.remote is not None:
+            self.remote.close()
