@@ -90,12 +90,16 @@ def test_second_pod_loads_the_first_pods_blocks_from_redis(tiny_llama, redis_ser
         pod_b.wait_serving()
         second = asyncio.run(run(pod_b))
         redis_hits = _metric(pod_b, "tessera:kv_store_hits_total", tier="redis")
+        read_bytes = _metric(pod_b, "tessera:kv_store_read_bytes_total", tier="redis")
+        loads = _metric(pod_b, "tessera:kv_store_load_seconds_count")
+        lookups = _metric(pod_b, "tessera:kv_store_lookups_total")
     expected = recomputed(prompts)
     assert [t for t, _ in first] == expected
     assert [t for t, _ in second] == expected
     assert [c for _, c in first] == [0, 0, 0]
     assert [c for _, c in second] == [_full_prompt_blocks(p) * BLOCK for p in prompts]
-    assert redis_hits == sum(_full_prompt_blocks(p) for p in prompts)
+    assert redis_hits == lookups == sum(_full_prompt_blocks(p) for p in prompts)
+    assert loads == 3 and read_bytes > redis_hits * 1000
 
 
 def test_prefill_and_decode_pods_match_mixed_mode(tiny_llama, redis_server, recomputed, tmp_path):
@@ -227,3 +231,23 @@ def test_prefix_evicted_from_the_device_comes_back_from_the_host_tier(tiny_llama
     assert out[0].num_cached_tokens == _full_prompt_blocks(target[0]) * BLOCK
     assert _tokens(out) == recomputed(target)
     assert pool.get_num_free_blocks() == pool.num_blocks
+
+
+def test_pod_starts_and_serves_with_redis_unreachable(tiny_llama, tmp_path, recomputed):
+    from engine_pod.server.process import free_port
+
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    prompts = _prompts(2, seed=8)
+    with EnginePodProcess(tiny_llama, POD_ARGS + ["--kv-redis-url", dead], log_path=tmp_path / "pod.log") as pod:
+        pod.wait_serving()
+        results = asyncio.run(_collect_all(pod.address, [greedy(p, 12) for p in prompts]))
+        assert _metric(pod, "tessera:kv_store_redis_up") == 0
+        assert _metric(pod, "tessera:kv_store_redis_errors_total") >= 1
+    assert [t for t, _ in results] == recomputed(prompts)
+    assert "unreachable" in (tmp_path / "pod.log").read_text()
+
+
+async def _collect_all(address, requests):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.EngineStub(channel)
+        return [await collect(stub, r) for r in requests]
