@@ -102,6 +102,20 @@ def test_redis_tier_unreachable_is_a_miss_not_an_error():
     assert not tier.put_many([(_hash(0), b"x")])
 
 
+def test_redis_tier_authenticates_from_the_url(tmp_path):
+    from kv_store.local_redis import RedisServer
+
+    server = RedisServer(tmp_path, password="s3cret")
+    try:
+        tier = _redis_tier(server.url)
+        assert tier.available and tier.put_many([(_hash(0), b"v")])
+        assert tier.get_many([_hash(0)]) == [b"v"]
+        wrong = _redis_tier(server.url.replace("s3cret", "wrong"))
+        assert not wrong.available and wrong.get_many([_hash(0)]) == [None]
+    finally:
+        server.stop()
+
+
 def test_redis_config_rejects_bad_values():
     with pytest.raises(ValueError, match="kv_redis_url"):
         RedisTierConfig(url="http://x")
