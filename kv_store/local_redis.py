@@ -26,18 +26,62 @@ class RedisServer:
             args += ["--requirepass", password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, password=password, socket_timeout=0.5)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
+        _wait_ping(client)
         self.client = client
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+class RedisClusterServers:
+    """A private three-master Redis Cluster (redis-server + redis-cli --cluster create)."""
+
+    def __init__(self, workdir: Path, num_nodes: int = 3) -> None:
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RuntimeError("redis-cli is not installed")
+        self.nodes: list[subprocess.Popen] = []
+        ports = [free_port() for _ in range(num_nodes)]
+        binary = shutil.which("redis-server")
+        for port in ports:
+            node_dir = workdir / str(port)
+            node_dir.mkdir(parents=True, exist_ok=True)
+            self.nodes.append(subprocess.Popen(
+                [binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                 "--cluster-config-file", "nodes.conf", "--save", "", "--appendonly", "no", "--dir", str(node_dir)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))
+        for port in ports:
+            _wait_ping(redis.Redis(port=port, socket_timeout=0.5))
+        subprocess.run(
+            [cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "0",
+             "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )
+        self.url = f"redis://127.0.0.1:{ports[0]}/0"
+        client = redis.Redis(port=ports[0], socket_timeout=0.5)
+        deadline = time.monotonic() + 20
+        while client.cluster("info").get("cluster_state") != "ok":
+            if time.monotonic() > deadline:
+                raise TimeoutError("the cluster did not reach state ok")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for proc in self.nodes:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_ping(client: redis.Redis, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)

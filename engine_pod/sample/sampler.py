@@ -7,7 +7,12 @@ from dataclasses import dataclass
 import torch
 
 from engine_pod.sample.metadata import SamplingMetadata
-from engine_pod.sample.ops import apply_min_p, apply_penalties, apply_top_k_top_p, random_sample
+from engine_pod.sample.ops import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    random_sample,
+)
 
 
 @dataclass

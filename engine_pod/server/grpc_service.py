@@ -11,7 +11,12 @@ import grpc
 from opentelemetry.trace import Status, StatusCode
 
 from engine_pod.processor import Processor
-from engine_pod.server.async_engine import AsyncEngine, EngineDeadError, StepOutput, StreamEnd
+from engine_pod.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    StepOutput,
+    StreamEnd,
+)
 from engine_pod.server.convert import request_from_proto, response_from_output
 from engine_pod.server.metrics import EngineMetrics
 from engine_pod.server.tracing import parent_context, tracer

@@ -81,7 +81,11 @@ class KVStoreCollector:
         self.model_name = model_name
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            SummaryMetricFamily,
+        )
 
         s, labels = self.store.stats, ["model_name"]
         m = [self.model_name]

@@ -36,7 +36,9 @@ def configure_tracing(service_name: str) -> TracerProvider | None:
     if name == "none":
         return None
     if name == "otlp":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter,
+        )
 
         exporter = OTLPSpanExporter()
     elif name == "console":

@@ -18,15 +18,19 @@ import torch
 
 from engine_pod.attention.backend import AttentionMetadata, get_attention_backend
 from engine_pod.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from engine_pod.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
+from engine_pod.core.scheduler_output import (
+    Logprobs,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from engine_pod.model.loader import build_model
 from engine_pod.sample.metadata import SamplingMetadata
 from engine_pod.sample.sampler import Sampler, SamplerOutput
 from engine_pod.worker.cpu_malloc import keep_freed_memory_in_heap
 from engine_pod.worker.kv_cache import allocate_kv_caches, bytes_per_block
 from engine_pod.worker.kv_connector_worker import KVConnectorWorker
-from kv_store.tiered_store import TieredKVStore
 from engine_pod.worker.request_state import CachedRequestState
+from kv_store.tiered_store import TieredKVStore
 
 logger = logging.getLogger(__name__)
 

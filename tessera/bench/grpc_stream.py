@@ -22,6 +22,7 @@ import grpc
 
 from engine_pod import LLM
 from engine_pod.server.process import EnginePodProcess
+from tessera.bench.common import add_common_args
 from tessera.bench.throughput import run_engine
 from tessera.bench.workload import BenchRequest, sharegpt_like
 from tessera.v1 import engine_pb2 as pb
@@ -109,12 +110,9 @@ def main(args: argparse.Namespace) -> int:
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("grpc", help="engine pod gRPC streaming vs the offline engine")
-    p.add_argument("--model", required=True)
+    add_common_args(p)
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--max-prompt-len", type=int, default=512)
     p.add_argument("--max-output-len", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-gib", type=float, default=4.0)
-    p.add_argument("--output", help="write the results as JSON here")
     p.set_defaults(bench_func=main)

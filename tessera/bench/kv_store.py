@@ -18,6 +18,7 @@ from pathlib import Path
 from engine_pod import LLM, SamplingParams
 from kv_store.local_redis import RedisServer
 from kv_store.redis_tier import RedisTier, RedisTierConfig
+from tessera.bench.common import add_common_args
 
 
 def _ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
@@ -150,15 +151,12 @@ def main(args: argparse.Namespace) -> int:
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("kv-store", help="TTFT from the KV store tiers; Redis tier read throughput")
-    p.add_argument("--model", required=True)
+    add_common_args(p)
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
     p.add_argument("--host-gib", type=float, default=2.0)
     p.add_argument("--read-mib", type=int, default=512, help="MiB read per round of the throughput test")
     p.add_argument("--run-blocks", type=int, default=8, help="blocks per key for the alternative unit")
     p.add_argument("--read-rounds", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", help="write the results as JSON here")
     p.set_defaults(bench_func=main)

@@ -14,6 +14,7 @@ import time
 
 from engine_pod import LLM, SamplingParams
 from kv_store.block_hash import hash_request_tokens
+from tessera.bench.common import add_common_args
 from tessera.bench.workload import BenchRequest, shared_prefix, sharegpt_like
 
 
@@ -93,16 +94,13 @@ def main(args: argparse.Namespace) -> int:
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("prefix-cache", help="prefix caching on vs off")
-    p.add_argument("--model", required=True)
+    add_common_args(p)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--unique-requests", type=int, default=32)
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--kv-cache-gib", type=float, default=4.0)
-    p.add_argument("--output", help="write the results as JSON here")
     p.set_defaults(bench_func=main)

@@ -8,6 +8,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from engine_pod import LLM, SamplingParams
+from tessera.bench.common import add_common_args
 from tessera.bench.workload import BenchRequest, sharegpt_like
 
 
@@ -101,17 +102,14 @@ def main(args: argparse.Namespace) -> int:
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("throughput", help="offline throughput: Tessera vs HF static batching")
-    p.add_argument("--model", required=True)
+    add_common_args(p)
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--max-prompt-len", type=int, default=512)
     p.add_argument("--max-output-len", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto", help="engine and HF dtype (auto: the engine's choice)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=4.0)
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--skip-hf", action="store_true", help="run Tessera only")
-    p.add_argument("--output", help="write the results as JSON here")
     p.set_defaults(bench_func=main)

@@ -116,6 +116,28 @@ def test_redis_tier_authenticates_from_the_url(tmp_path):
         server.stop()
 
 
+def test_redis_tier_spreads_blocks_over_a_redis_cluster(tmp_path):
+    from kv_store.local_redis import RedisClusterServers
+
+    cluster = RedisClusterServers(tmp_path)
+    try:
+        tier = _redis_tier(cluster.url, cluster=True, timeout_seconds=2.0)
+        items = [(_hash(i), f"value-{i}".encode()) for i in range(40)]
+        assert tier.put_many(items)
+        assert tier.get_many([h for h, _ in items]) == [v for _, v in items]
+        assert tier.exists_many([_hash(0), _hash(99)]) == [True, False]
+        store = TieredKVStore(BlockCodec(LAYOUT), HostMemoryTier(0), tier)
+        store.put(_hash(100), _block(3), sync_remote=True)
+        assert torch.equal(store.get_blocks([_hash(100)])[0], _block(3))
+        # The keys landed on more than one node.
+        import redis as redis_py
+
+        sizes = [redis_py.Redis(port=int(n.args[2])).dbsize() for n in cluster.nodes]
+        assert sum(1 for s in sizes if s) > 1
+    finally:
+        cluster.stop()
+
+
 def test_redis_config_rejects_bad_values():
     with pytest.raises(ValueError, match="kv_redis_url"):
         RedisTierConfig(url="http://x")

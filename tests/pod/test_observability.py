@@ -8,7 +8,10 @@ from concurrent import futures
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import (
+    trace_service_pb2,
+    trace_service_pb2_grpc,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_pod.server.process import EnginePodProcess, free_port

@@ -10,8 +10,6 @@ from __future__ import annotations
 import gc
 import zlib
 
-import pytest
-
 from engine_pod.core.kv_cache_manager import KVCacheManager
 from engine_pod.core.scheduler import Scheduler, SchedulerConfig
 from engine_pod.core.scheduler_output import CachedRequestData, ModelRunnerOutput

@@ -46,7 +46,6 @@ def _make_step(seqs, block_size, num_kv_heads, head_dim, num_blocks, gen):
 def _reference(q, kv_cache, md, tables, scale):
     """Plain softmax attention per sequence in float64."""
     out = torch.empty(q.shape, dtype=torch.float64)
-    bs = md.block_size
     for i, blocks in enumerate(tables):
         start, end = int(md.query_start_loc_cpu[i]), int(md.query_start_loc_cpu[i + 1])
         seq_len = int(md.seq_lens_cpu[i])
