@@ -43,7 +43,7 @@ class RedisClusterServers:
         if cli is None:
             raise RuntimeError("redis-cli is not installed")
         self.nodes: list[subprocess.Popen] = []
-        ports = [free_port() for _ in range(num_nodes)]
+        ports = _cluster_ports(num_nodes)
         binary = shutil.which("redis-server")
         for port in ports:
             node_dir = workdir / str(port)
@@ -85,3 +85,28 @@ def _wait_ping(client: redis.Redis, timeout: float = 10.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _cluster_ports(n: int) -> list[int]:
+    """Free ports whose cluster-bus port (port + 10000) is valid and free too:
+    ephemeral ports from free_port() are often above 55535."""
+    import random
+
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(20000, 45000)
+        if port not in ports and _port_free(port) and _port_free(port + 10000):
+            ports.append(port)
+    return ports
