@@ -81,7 +81,6 @@ class EngineConfig:
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
     attention_backend: str = "auto"
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def _resolve_device(device: str | None) -> torch.device:

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -42,10 +42,9 @@ class KVStoreStats:
     corrupt_values: int = 0
     load_seconds: float = 0.0
     loads: int = 0
-    load_latencies: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "load_latencies"}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class TieredKVStore:
@@ -127,8 +126,6 @@ class TieredKVStore:
             if blocks:
                 s.loads += 1
                 s.load_seconds += elapsed
-                s.load_latencies.append(elapsed)
-                del s.load_latencies[:-1000]
         return blocks
 
     # -- writes -----------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,9 +40,10 @@ class BatchInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor
-    # Requests that sample this step, in logits row order.
-    sampling_states: list[CachedRequestState]
+    # Set by _prepare_inputs for a real step: rows to compute logits for, and
+    # the requests that sample this step, in logits row order.
+    logits_indices: torch.Tensor | None = None
+    sampling_states: list[CachedRequestState] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -213,7 +214,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             block_size=bs,
         )
-        return BatchInputs(dev(input_ids), dev(positions), metadata, torch.empty(0), [])
+        return BatchInputs(dev(input_ids), dev(positions), metadata)
 
     # -- sampling ---------------------------------------------------------
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:

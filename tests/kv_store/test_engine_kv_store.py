@@ -251,3 +251,8 @@ async def _collect_all(address, requests):
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.EngineStub(channel)
         return [await collect(stub, r) for r in requests]
+
+
+def test_kv_store_needs_prefix_caching(tiny_llama):
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        LLM(str(tiny_llama), **ENGINE_KW, kv_host_bytes=1 << 20, enable_prefix_caching=False)

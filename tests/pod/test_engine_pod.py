@@ -171,3 +171,11 @@ def test_stream_load_pushes_reports(pod):
 
     reports = asyncio.run(run())
     assert len(reports) == 3 and all(r.num_kv_blocks > 0 for r in reports)
+
+
+def test_stream_load_rejects_a_negative_interval(pod):
+    with grpc.insecure_channel(pod.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            next(iter(pb_grpc.EngineStub(channel).StreamLoad(pb.LoadRequest(interval_ms=-5), timeout=5)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "interval_ms" in info.value.details()

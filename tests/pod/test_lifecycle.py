@@ -87,7 +87,15 @@ def test_queue_bound_answers_resource_exhausted(tiny_llama, tmp_path):
         assert "queue" in error.details()
 
 
-@pytest.mark.parametrize("flag,value,field", [("--role", "router", "role"), ("--tensor-parallel-size", "0", "tensor_parallel_size")])
+@pytest.mark.parametrize("flag,value,field", [
+    ("--role", "router", "role"),
+    ("--tensor-parallel-size", "0", "tensor_parallel_size"),
+    ("--max-waiting-requests", "0", "max_waiting_requests"),
+    ("--drain-timeout", "-1", "drain_timeout"),
+    ("--kv-host-bytes", "-1", "kv_host_bytes"),
+    ("--kv-redis-url", "http://nope", "kv_redis_url"),
+    ("--kv-write-queue-size", "0", "kv_write_queue_size"),
+])
 def test_bad_flags_exit_2_naming_the_field(tiny_llama, flag, value, field):
     proc = subprocess.run(
         [sys.executable, "-m", "tessera.cli", "engine", "--model", str(tiny_llama), flag, value],
