@@ -89,9 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     from engine_pod.server.main import add_parser as add_engine_parser
+    from gateway.main import add_parser as add_gateway_parser
     from tessera.bench import add_bench_parser
 
     add_engine_parser(sub)
+    add_gateway_parser(sub)
     add_bench_parser(sub)
     return parser
 

@@ -19,7 +19,7 @@ from engine_pod.server.async_engine import (
 )
 from engine_pod.server.convert import request_from_proto, response_from_output
 from engine_pod.server.metrics import EngineMetrics
-from engine_pod.server.tracing import parent_context, tracer
+from tessera.tracing import parent_context, tracer
 from tessera.v1 import engine_pb2 as pb
 from tessera.v1 import engine_pb2_grpc as pb_grpc
 

@@ -34,7 +34,7 @@ from engine_pod.sampling_params import SamplingParams
 from engine_pod.server.async_engine import AsyncEngine, StreamEnd
 from engine_pod.server.grpc_service import EngineService
 from engine_pod.server.metrics import EngineMetrics, KVStoreCollector
-from engine_pod.server.tracing import configure_tracing
+from tessera.tracing import configure_tracing
 from tessera.text import load_eos_token_ids
 from tessera.v1 import engine_pb2, engine_pb2_grpc
 

@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing of an engine pod: one span per request.
+"""OpenTelemetry tracing set-up shared by engine pods and the gateway.
 
 The exporter follows the standard variables: OTEL_TRACES_EXPORTER ("otlp",
 "console" or "none") and OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT. One deviation
@@ -69,5 +69,18 @@ def parent_context(metadata) -> object:
     return _PROPAGATOR.extract(carrier=list(metadata or ()), getter=_MetadataGetter())
 
 
-def tracer() -> trace.Tracer:
-    return trace.get_tracer("tessera.engine_pod")
+def inject_metadata(metadata: list[tuple[str, str]], span: trace.Span | None = None) -> list[tuple[str, str]]:
+    """A span's context (default: the current one) as `traceparent` /
+    `tracestate` gRPC metadata."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span) if span is not None else None)
+    return metadata + list(carrier.items())
+
+
+def context_from_headers(headers) -> object:
+    """The caller's trace context from HTTP headers (any mapping)."""
+    return _PROPAGATOR.extract(carrier={k.lower(): v for k, v in headers.items()})
+
+
+def tracer(name: str = "tessera.engine_pod") -> trace.Tracer:
+    return trace.get_tracer(name)

@@ -1,0 +1,230 @@
+"""The gateway's configuration: one YAML file (`tessera gateway --config FILE`).
+
+The operator renders this file from the InferenceService spec into a
+ConfigMap; `tessera up` writes it for local runs. Unknown keys are errors,
+so a typo never silently disables a setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROLES = ("mixed", "prefill", "decode")
+
+
+class GatewayConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    path: str
+    # None: from the checkpoint's config.json (max_position_embeddings).
+    max_model_len: int | None = None
+    # Must equal the engine pods' --block-size: the router hashes with it.
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 50051
+
+
+@dataclass(frozen=True)
+class StaticPod:
+    address: str
+    role: str = "mixed"
+
+
+@dataclass(frozen=True)
+class KubernetesDiscovery:
+    namespace: str
+    # role -> Service name whose EndpointSlices list the pool's pods.
+    services: dict[str, str]
+    port_name: str = "grpc"
+    # Re-list interval when the watch breaks.
+    resync_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class PodsConfig:
+    static: tuple[StaticPod, ...] = ()
+    kubernetes: KubernetesDiscovery | None = None
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    # A pod is saturated when its waiting queue or KV usage reaches these.
+    max_waiting_per_pod: int = 8
+    max_kv_usage: float = 0.95
+    max_queue_len: int = 1024
+    queue_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class RouterWeights:
+    prefix: float = 1.0
+    waiting: float = 0.5
+    running: float = 0.2
+    kv_usage: float = 0.3
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    weights: RouterWeights = RouterWeights()
+    # Divides running requests in the score: a pod running this many counts 1.
+    running_norm: int = 32
+    # How often pods push their load (StreamLoad) and how long a prefix query may take.
+    load_interval_ms: int = 200
+    prefix_query_timeout_ms: int = 50
+    # Seconds between reconnect attempts to an ejected pod.
+    reprobe_interval_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    # Prefill on a prefill pod only when at least this many prompt tokens are not cached.
+    min_uncached_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class PriorityClassConfig:
+    name: str
+    priority: int
+    weight: float = 1.0
+    sheddable: bool = False
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: ModelConfig
+    server: ServerConfig = ServerConfig()
+    pods: PodsConfig = PodsConfig()
+    tenants_file: str | None = None
+    # None: the built-in classes (gateway/priority.py).
+    priority_classes: tuple[PriorityClassConfig, ...] | None = None
+    default_priority_class: str | None = None
+    admission: AdmissionConfig = AdmissionConfig()
+    router: RouterConfig = RouterConfig()
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
+
+    def __post_init__(self) -> None:
+        _check(self.model.block_size > 0, "model.block_size must be > 0")
+        _check(self.model.max_model_len is None or self.model.max_model_len > 0, "model.max_model_len must be > 0")
+        _check(bool(self.pods.static) or self.pods.kubernetes is not None,
+               "pods: give a static list or kubernetes discovery")
+        for pod in self.pods.static:
+            _check(pod.role in ROLES, f"pods.static: role {pod.role!r} is not one of {ROLES}")
+            _check(":" in pod.address, f"pods.static: address {pod.address!r} is not host:port")
+        if self.pods.kubernetes is not None:
+            for role in self.pods.kubernetes.services:
+                _check(role in ROLES, f"pods.kubernetes.services: role {role!r} is not one of {ROLES}")
+        a = self.admission
+        _check(a.max_waiting_per_pod >= 1, "admission.max_waiting_per_pod must be >= 1")
+        _check(0 < a.max_kv_usage <= 1, "admission.max_kv_usage must be in (0, 1]")
+        _check(a.max_queue_len >= 0, "admission.max_queue_len must be >= 0")
+        _check(a.queue_timeout_s > 0, "admission.queue_timeout_s must be > 0")
+        w = self.router.weights
+        _check(min(w.prefix, w.waiting, w.running, w.kv_usage) >= 0, "router.weights must be >= 0")
+        _check(self.router.running_norm >= 1, "router.running_norm must be >= 1")
+        _check(self.router.load_interval_ms >= 10, "router.load_interval_ms must be >= 10")
+        _check(self.disaggregation.min_uncached_tokens >= 0, "disaggregation.min_uncached_tokens must be >= 0")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise GatewayConfigError(message)
+
+
+def _build(cls, data: Any, where: str):
+    """A dataclass from a mapping, recursively, rejecting unknown keys."""
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise GatewayConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise GatewayConfigError(f"{where}: unknown field(s) {unknown}; known: {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _convert(fields[name].type, value, f"{where}.{name}" if where else name)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise GatewayConfigError(f"{where or 'config'}: {e}") from None
+
+
+_NESTED = {
+    "ModelConfig": ModelConfig, "ServerConfig": ServerConfig, "PodsConfig": PodsConfig,
+    "AdmissionConfig": AdmissionConfig, "RouterConfig": RouterConfig, "RouterWeights": RouterWeights,
+    "DisaggregationConfig": DisaggregationConfig,
+}
+
+
+def _convert(type_name: str, value: Any, where: str) -> Any:
+    base = type_name.split(" |")[0].strip()
+    if value is None:
+        return None
+    if base in _NESTED:
+        return _build(_NESTED[base], value, where)
+    if base == "KubernetesDiscovery":
+        return _build(KubernetesDiscovery, value, where)
+    if base == "tuple[StaticPod, ...]":
+        return tuple(_build(StaticPod, item, f"{where}[{i}]") for i, item in enumerate(_as_list(value, where)))
+    if base == "tuple[PriorityClassConfig, ...]":
+        return tuple(_build(PriorityClassConfig, item, f"{where}[{i}]")
+                     for i, item in enumerate(_as_list(value, where)))
+    return _scalar(base, value, where)
+
+
+def _as_list(value: Any, where: str) -> list:
+    if not isinstance(value, list):
+        raise GatewayConfigError(f"{where}: expected a list")
+    return value
+
+
+def _scalar(base: str, value: Any, where: str) -> Any:
+    expected = {"int": int, "float": (int, float), "str": str, "bool": bool}.get(base)
+    if expected is None:
+        return value
+    if isinstance(value, bool) and base != "bool" or not isinstance(value, expected):
+        raise GatewayConfigError(f"{where}: expected {base}, got {value!r}")
+    return float(value) if base == "float" else value
+
+
+def gateway_config_from_dict(data: dict) -> GatewayConfig:
+    if not isinstance(data, dict) or "model" not in data:
+        raise GatewayConfigError("config: a mapping with at least `model` and `pods` is required")
+    return _build(GatewayConfig, data, "")
+
+
+def load_gateway_config(path: str | Path) -> GatewayConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise GatewayConfigError(f"config: cannot read {path}: {e}") from None
+    try:
+        data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise GatewayConfigError(f"config: {path} is not valid YAML/JSON: {e}") from None
+    return gateway_config_from_dict(data)
+
+
+def with_overrides(config: GatewayConfig, **changes) -> GatewayConfig:
+    return dataclasses.replace(config, **changes)
+
+
+__all__ = [
+    "GatewayConfig", "GatewayConfigError", "load_gateway_config", "gateway_config_from_dict", "field",
+]

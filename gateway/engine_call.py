@@ -1,0 +1,96 @@
+"""Calls to engine pods: one choice's generation with a retry before the
+first token, and the prefill half of a P/D request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from gateway.errors import GatewayError, StreamBroken, bad_request, unavailable
+from gateway.pods import Pod, PodPool
+from tessera.tracing import inject_metadata, tracer
+from tessera.v1 import engine_pb2 as epb
+
+logger = logging.getLogger(__name__)
+
+# The engine refused the request itself: retrying elsewhere cannot help.
+_CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                  grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS}
+MAX_ATTEMPTS = 2
+
+
+def _engine_error(e: grpc.aio.AioRpcError) -> GatewayError:
+    if e.code() in _CLIENT_ERRORS:
+        return bad_request(f"engine rejected the request: {e.details()}", "invalid_request")
+    return unavailable(f"engine pod failed: {e.code().name}: {e.details()}", "engine_unavailable")
+
+
+async def stream_choice(
+    pool: PodPool, candidates: list[Pod], request: epb.GenerateRequest, metadata: list[tuple[str, str]],
+    on_attempt: Callable[[Pod, int], None],
+) -> AsyncIterator[epb.GenerateResponse]:
+    """Responses of one engine request. A pod that fails before its first
+    response is ejected and the request goes to the next candidate (once);
+    after the first response a failure raises StreamBroken. Cancelling the
+    consumer cancels the call, which aborts the request on the pod."""
+    last_error: GatewayError | None = None
+    for attempt, pod in enumerate(candidates[:MAX_ATTEMPTS]):
+        on_attempt(pod, attempt)
+        started = False
+        call = span = None
+        pod.in_flight += 1
+        try:
+            # Not made current: an async generator may be closed from another
+            # task, where the context it attached could not be detached.
+            span = tracer("tessera.gateway").start_span("gateway.engine_call")
+            span.set_attribute("tessera.pod", pod.address)
+            span.set_attribute("tessera.attempt", attempt)
+            call = pod.stub.Generate(request, metadata=inject_metadata(list(metadata), span))
+            async for response in call:
+                started = True
+                yield response
+                if response.finish_reason:
+                    return
+            raise StreamBroken("engine stream ended without a finish reason")
+        except grpc.aio.AioRpcError as e:
+            last_error = _engine_error(e)
+            if e.code() in _CLIENT_ERRORS:
+                raise last_error from None
+            if started:
+                raise StreamBroken(last_error.message) from None
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                pool.eject(pod, f"generate: {e.code().name}")
+            logger.warning("request %s: %s failed before its first token (%s); %s", request.request_id,
+                           pod.address, e.code().name, "retrying" if attempt + 1 < len(candidates) else "giving up")
+        finally:
+            pod.in_flight -= 1
+            # The consumer may stop early (a stop string, a disconnect): the
+            # cancelled call aborts the request on the pod, freeing its KV.
+            if call is not None and not call.done():
+                call.cancel()
+            if span is not None:
+                span.end()
+    raise last_error or unavailable("no engine pod is available", "no_engine_pod")
+
+
+async def prefill(pool: PodPool, candidates: list[Pod], request: epb.GenerateRequest,
+                  metadata: list[tuple[str, str]], on_attempt: Callable[[Pod, int], None]) -> bool:
+    """Run the prompt on a prefill pod so its KV lands in the shared store.
+    False if no prefill pod managed it (the decode pod then computes the
+    prompt itself: slower, never wrong)."""
+    produce = epb.GenerateRequest()
+    produce.CopyFrom(request)
+    produce.request_id = request.request_id + "-prefill"
+    produce.kv_transfer.mode = epb.KVTransferParams.MODE_PRODUCE
+    try:
+        async for _ in stream_choice(pool, candidates, produce, metadata, on_attempt):
+            pass
+        return True
+    except asyncio.CancelledError:
+        raise
+    except (GatewayError, StreamBroken) as e:
+        logger.warning("request %s: prefill failed (%s); the decode pod computes the prompt", request.request_id, e)
+        return False

@@ -1,0 +1,152 @@
+"""The public gRPC service tessera.v1.Inference over the serving pipeline."""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+from opentelemetry.trace import SpanKind
+
+from gateway.errors import GatewayError, StreamBroken, bad_request, unavailable
+from gateway.request import ChoiceUpdate, GenerationRequest, SamplingOptions, Usage
+from gateway.serving import Gateway, ResponseStream
+from tessera.tracing import parent_context, tracer
+from tessera.v1 import inference_pb2 as pb
+from tessera.v1 import inference_pb2_grpc as pb_grpc
+
+_tracer = tracer("tessera.gateway")
+
+
+def _options(p: pb.GenerationParams) -> SamplingOptions:
+    def get(name, default):
+        return getattr(p, name) if p.HasField(name) else default
+
+    return SamplingOptions(
+        max_tokens=get("max_tokens", None), temperature=get("temperature", 1.0), top_p=get("top_p", 1.0),
+        top_k=get("top_k", 0), min_p=get("min_p", 0.0), seed=get("seed", None),
+        presence_penalty=get("presence_penalty", 0.0), frequency_penalty=get("frequency_penalty", 0.0),
+        repetition_penalty=get("repetition_penalty", 1.0), n=get("n", 1), stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, min_tokens=get("min_tokens", 0),
+        logprobs=get("logprobs", None),
+    )
+
+
+def _completion_request(msg: pb.CompletionRequest) -> GenerationRequest:
+    if msg.prompt and msg.prompt_token_ids:
+        raise bad_request("give prompt or prompt_token_ids, not both", "invalid_value", "prompt")
+    return GenerationRequest(
+        uuid.uuid4().hex, msg.model, prompt=msg.prompt if not msg.prompt_token_ids else None,
+        prompt_token_ids=list(msg.prompt_token_ids) or None, options=_options(msg.params),
+        priority_class=msg.priority_class or None, user=msg.user or None,
+    )
+
+
+def _chat_request(msg: pb.ChatRequest) -> GenerationRequest:
+    if not msg.messages:
+        raise bad_request("messages: at least one message is required", "invalid_value", "messages")
+    roles = {"system", "developer", "user", "assistant", "tool"}
+    for i, m in enumerate(msg.messages):
+        if m.role not in roles:
+            raise bad_request(f"messages[{i}].role: {m.role!r} is not one of {sorted(roles)}", "invalid_value",
+                              "messages")
+    return GenerationRequest(
+        uuid.uuid4().hex, msg.model, messages=[{"role": m.role, "content": m.content} for m in msg.messages],
+        add_generation_prompt=msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True,
+        options=_options(msg.params), priority_class=msg.priority_class or None, user=msg.user or None,
+    )
+
+
+def _delta(update: ChoiceUpdate) -> pb.ChoiceDelta:
+    return pb.ChoiceDelta(
+        index=update.index, text=update.text, token_ids=update.token_ids,
+        logprobs=[_token_info(e) for e in update.logprobs], finish_reason=update.finish_reason or "",
+        stop_reason="" if update.stop_reason is None else str(update.stop_reason),
+    )
+
+
+def _token_info(e) -> pb.TokenInfo:
+    return pb.TokenInfo(token_id=e.token_id, token=e.token, logprob=e.logprob,
+                        top_logprobs=[pb.TopLogprob(token_id=t, token=s, logprob=lp) for t, s, lp in e.top])
+
+
+def _usage(u: Usage) -> pb.Usage:
+    return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                    total_tokens=u.total_tokens, cached_tokens=u.cached_tokens)
+
+
+def _authorization(context) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value
+    return None
+
+
+async def _abort(context, e: GatewayError):
+    if e.retry_after is not None:
+        context.set_trailing_metadata((("retry-after", str(int(max(1, e.retry_after)))),))
+    await context.abort(e.grpc_code, e.message)
+
+
+class InferenceService(pb_grpc.InferenceServicer):
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def _open(self, build, msg, context, endpoint: str) -> ResponseStream:
+        try:
+            return await self.gateway.open_stream(build(msg), _authorization(context), endpoint)
+        except GatewayError as e:
+            await _abort(context, e)
+
+    async def _stream(self, build, msg, context, endpoint: str):
+        with _tracer.start_as_current_span(f"Inference/{endpoint}", kind=SpanKind.SERVER,
+                                           context=parent_context(context.invocation_metadata())):
+            stream = await self._open(build, msg, context, endpoint)
+            try:
+                async for update in stream:
+                    yield pb.CompletionChunk(id=stream.id, model=msg.model, choices=[_delta(update)])
+            except (StreamBroken, GatewayError) as e:
+                await _abort(context, e if isinstance(e, GatewayError) else
+                             unavailable(f"the engine pod failed mid-stream: {e}", "engine_failed", None))
+            yield pb.CompletionChunk(id=stream.id, model=msg.model, usage=_usage(stream.usage))
+
+    async def _unary(self, build, msg, context, endpoint: str) -> pb.CompletionResult:
+        with _tracer.start_as_current_span(f"Inference/{endpoint}", kind=SpanKind.SERVER,
+                                           context=parent_context(context.invocation_metadata())):
+            stream = await self._open(build, msg, context, endpoint)
+            try:
+                choices = await stream.collect()
+            except StreamBroken as e:
+                await _abort(context, unavailable(f"the engine pod failed mid-request: {e}", "engine_failed"))
+            except GatewayError as e:
+                await _abort(context, e)
+            return pb.CompletionResult(
+                id=stream.id, model=msg.model, created=stream.created, usage=_usage(stream.usage),
+                choices=[pb.Choice(index=c.index, text=c.text, token_ids=c.token_ids,
+                                   logprobs=[_token_info(e) for e in c.logprobs],
+                                   finish_reason=c.finish_reason or "",
+                                   stop_reason="" if c.stop_reason is None else str(c.stop_reason))
+                         for c in choices],
+            )
+
+    async def Complete(self, request, context):
+        async for chunk in self._stream(_completion_request, request, context, "Complete"):
+            yield chunk
+
+    async def CompleteUnary(self, request, context):
+        return await self._unary(_completion_request, request, context, "CompleteUnary")
+
+    async def Chat(self, request, context):
+        async for chunk in self._stream(_chat_request, request, context, "Chat"):
+            yield chunk
+
+    async def ChatUnary(self, request, context):
+        return await self._unary(_chat_request, request, context, "ChatUnary")
+
+    async def ListModels(self, request, context):
+        try:
+            self.gateway.authenticate(_authorization(context))
+        except GatewayError as e:
+            await _abort(context, e)
+        m = self.gateway.model
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=m.name, max_model_len=m.max_model_len,
+                                                          owned_by="tessera")])

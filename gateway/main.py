@@ -1,0 +1,117 @@
+"""``tessera gateway --config FILE``: REST (OpenAI-compatible) and gRPC
+(tessera.v1.Inference) on one asyncio loop, in front of the engine pods.
+
+SIGTERM/SIGINT: stop accepting, let in-flight requests finish (up to the
+drain timeout), exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.config import GatewayConfig, load_gateway_config
+from gateway.grpc_service import InferenceService
+from gateway.model import ServedModel
+from gateway.openai_api.server import build_app
+from gateway.pods.discovery import EndpointSliceWatcher, static_members
+from gateway.priority import PriorityClasses
+from gateway.serving import Gateway
+from gateway.tenants import TenantRegistry
+from tessera.tracing import configure_tracing
+from tessera.v1 import inference_pb2
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("gateway", help="run the gateway (REST + gRPC tessera.v1.Inference)")
+    p.add_argument("--config", required=True, help="gateway YAML (see docs/gateway.md)")
+    p.add_argument("--host", default=None, help="override server.host")
+    p.add_argument("--http-port", type=int, default=None, help="override server.http_port")
+    p.add_argument("--grpc-port", type=int, default=None, help="override server.grpc_port")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_gateway_config(args.config)
+    overrides = {k: v for k, v in (("host", args.host), ("http_port", args.http_port),
+                                    ("grpc_port", args.grpc_port)) if v is not None}
+    if overrides:
+        config = dataclasses.replace(config, server=dataclasses.replace(config.server, **overrides))
+    configure_tracing("tessera-gateway")
+    asyncio.run(serve(config, args.drain_timeout))
+    return 0
+
+
+def build_gateway(config: GatewayConfig) -> Gateway:
+    model = ServedModel.load(config.model)
+    tenants = TenantRegistry.load(config.tenants_file) if config.tenants_file else TenantRegistry.open_access()
+    items = [dataclasses.asdict(c) for c in config.priority_classes] if config.priority_classes else None
+    classes = PriorityClasses.from_config(items, config.default_priority_class)
+    classes.validate_tenants(tenants.tenants)
+    if not config.tenants_file:
+        logger.warning("no tenants_file: every request is served without an API key (open access)")
+    return Gateway(config, model, tenants, classes)
+
+
+async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
+    gateway = build_gateway(config)
+    for role, addresses in static_members(config.pods).items():
+        gateway.pool.set_members(role, addresses)
+    watcher = None
+    if config.pods.kubernetes is not None:
+        watcher = EndpointSliceWatcher(config.pods.kubernetes, gateway.pool, asyncio.get_running_loop())
+        watcher.start()
+
+    grpc_server = grpc.aio.server()
+    health_servicer = health.aio.HealthServicer()
+    from tessera.v1 import inference_pb2_grpc
+
+    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceService(gateway), grpc_server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server)
+    address = f"{config.server.host}:{config.server.grpc_port}"
+    if grpc_server.add_insecure_port(address) == 0:
+        raise OSError(f"gRPC: cannot listen on {address}")
+    await grpc_server.start()
+    health_task = asyncio.create_task(_track_health(gateway, health_servicer))
+
+    app = build_app(gateway)
+    http = uvicorn.Server(uvicorn.Config(
+        app, host=config.server.host, port=config.server.http_port, log_level="warning", access_log=False,
+        lifespan="off", timeout_graceful_shutdown=int(drain_timeout),
+    ))
+    logger.info("gateway: REST on %s:%d, gRPC on %s, model %s", config.server.host, config.server.http_port,
+                address, config.model.name)
+    try:
+        await http.serve()  # returns after SIGINT/SIGTERM, once in-flight HTTP requests finish
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        await grpc_server.stop(drain_timeout)
+        health_task.cancel()
+        if watcher is not None:
+            watcher.stop()
+        await gateway.close()
+
+
+async def _track_health(gateway: Gateway, servicer) -> None:
+    """SERVING while some engine pod takes requests."""
+    last = None
+    while True:
+        status = (health_pb2.HealthCheckResponse.SERVING if gateway.pool.routable()
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        if status != last:
+            for name in ("", SERVICE_NAME):
+                await servicer.set(name, status)
+            last = status
+        await asyncio.sleep(0.25)

@@ -1,0 +1,37 @@
+"""Prometheus metrics of the gateway, labelled by tenant and priority class."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        who = ["tenant", "priority_class"]
+        self.requests = Counter("tessera:gateway_requests", "Requests by outcome (ok, error, cancelled, rejected)",
+                                who + ["endpoint", "outcome"], registry=r)
+        self.rejections = Counter("tessera:gateway_rejections", "Requests refused, by reason",
+                                  who + ["reason"], registry=r)
+        self.ttft = Histogram("tessera:gateway_time_to_first_token_seconds", "Arrival at the gateway to first token",
+                              who, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tessera:gateway_e2e_request_latency_seconds", "Arrival at the gateway to the end",
+                             who, buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tessera:gateway_prompt_tokens", "Prompt tokens", who, registry=r)
+        self.generation_tokens = Counter("tessera:gateway_generation_tokens", "Generated tokens", who, registry=r)
+        self.cached_tokens = Counter("tessera:gateway_cached_prompt_tokens",
+                                     "Prompt tokens the engine served from its prefix cache", who, registry=r)
+        self.routing = Counter("tessera:gateway_routing_decisions", "Engine calls by pod and kind "
+                               "(route, retry, prefill, decode)", ["pod", "role", "kind"], registry=r)
+        self.prefix_hit_tokens = Counter("tessera:gateway_routed_prefix_hit_tokens",
+                                         "Prompt tokens the chosen pod reported holding when routed", ["pod"],
+                                         registry=r)
+        self.retries = Counter("tessera:gateway_retries", "Engine calls retried on another pod before the first token",
+                               registry=r)
+        self.queue_length = Gauge("tessera:gateway_queue_length", "Requests waiting in the admission queue",
+                                  ["priority_class"], registry=r)
+        self.pods_routable = Gauge("tessera:gateway_pods_routable", "Engine pods taking requests", ["role"],
+                                   registry=r)

@@ -1,0 +1,249 @@
+"""The OpenAI-compatible REST API (FastAPI): /v1/completions,
+/v1/chat/completions, /v1/models, plus /health and /metrics.
+
+The OpenAPI document is served at /openapi.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from math import ceil
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.errors import GatewayError, StreamBroken, bad_request, internal, unavailable
+from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.openai_api.render import (
+    chat_choice,
+    chat_chunk_choice,
+    completion_choice,
+    usage_json,
+)
+from gateway.request import GenerationRequest
+from gateway.serving import Gateway, ResponseStream
+from tessera.tracing import context_from_headers, tracer
+
+logger = logging.getLogger(__name__)
+_tracer = tracer("tessera.gateway")
+
+
+def error_response(e: GatewayError) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, ceil(e.retry_after)))} if e.retry_after is not None else None
+    return JSONResponse(e.to_openai(), status_code=e.status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {first.get('msg')}", None
+    where = ".".join(loc) or "body"
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return f"{where}: {first.get('msg')}{more}", (loc[0] if loc else None)
+
+
+def build_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="Tessera gateway", version="v1",
+                  description="OpenAI-compatible inference API of a Tessera InferenceService.")
+    app.add_middleware(_ServerSpanMiddleware)
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error_response(bad_request(message, "invalid_value", param))
+
+    @app.exception_handler(GatewayError)
+    async def _on_gateway_error(request: Request, exc: GatewayError):
+        return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(internal())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        gen = _completion_request(body)
+        stream = await gateway.open_stream(gen, request.headers.get("authorization"), "completions")
+        want_logprobs = body.logprobs is not None
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(_completion_chunks(stream, body.model, want_logprobs, include_usage))
+        choices = await _collect(stream)
+        return {
+            "id": f"cmpl-{stream.id}", "object": "text_completion", "created": stream.created, "model": body.model,
+            "choices": [completion_choice(c, want_logprobs) for c in choices], "usage": usage_json(stream.usage),
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        gen = _chat_request(body)
+        stream = await gateway.open_stream(gen, request.headers.get("authorization"), "chat")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(_chat_chunks(stream, body.model, body.logprobs, include_usage))
+        choices = await _collect(stream)
+        return {
+            "id": f"chatcmpl-{stream.id}", "object": "chat.completion", "created": stream.created,
+            "model": body.model, "choices": [chat_choice(c, body.logprobs) for c in choices],
+            "usage": usage_json(stream.usage),
+        }
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        gateway.authenticate(request.headers.get("authorization"))
+        m = gateway.model
+        return {"object": "list", "data": [{
+            "id": m.name, "object": "model", "created": 0, "owned_by": "tessera", "max_model_len": m.max_model_len,
+        }]}
+
+    @app.get("/health")
+    async def health():
+        if gateway.pool.routable():
+            return {"status": "ok", "pods": len(gateway.pool.routable())}
+        return error_response(unavailable("no engine pod is serving", "no_engine_pod"))
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _completion_request(body: CompletionRequest) -> GenerationRequest:
+    if body.echo:
+        raise bad_request("echo: not supported", "unsupported", "echo")
+    if body.suffix:
+        raise bad_request("suffix: not supported", "unsupported", "suffix")
+    if body.logit_bias:
+        raise bad_request("logit_bias: not supported", "unsupported", "logit_bias")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of: only best_of == n is supported", "unsupported", "best_of")
+    prompt, ids = _single_prompt(body.prompt)
+    options = body.sampling_options(body.max_tokens, body.logprobs)
+    return GenerationRequest(_new_id(), body.model, prompt=prompt, prompt_token_ids=ids, options=options,
+                             priority_class=body.priority_class, user=body.user)
+
+
+def _single_prompt(prompt) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return None, list(prompt)
+    if len(prompt) == 1:
+        return _single_prompt(prompt[0])
+    raise bad_request("prompt: give one prompt (a string or a list of token ids); batches are not supported",
+                      "unsupported", "prompt")
+
+
+def _chat_request(body: ChatCompletionRequest) -> GenerationRequest:
+    for name in ("logit_bias", "tools", "response_format"):
+        if getattr(body, name):
+            raise bad_request(f"{name}: not supported", "unsupported", name)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs: needs logprobs=true", "invalid_value", "top_logprobs")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    return GenerationRequest(_new_id(), body.model, messages=messages,
+                             add_generation_prompt=body.add_generation_prompt,
+                             options=body.sampling_options(max_tokens, logprobs),
+                             priority_class=body.priority_class, user=body.user)
+
+
+async def _collect(stream: ResponseStream):
+    try:
+        return await stream.collect()
+    except StreamBroken as e:
+        raise unavailable(f"the engine pod failed mid-request: {e}", "engine_failed") from None
+
+
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    async def body():
+        async for event in events:
+            yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _stream_error(e: BaseException) -> dict:
+    if isinstance(e, GatewayError):
+        return e.to_openai()
+    return unavailable(f"the engine pod failed mid-stream: {e}", "engine_failed", None).to_openai()
+
+
+async def _completion_chunks(stream: ResponseStream, model: str, want_logprobs: bool,
+                             include_usage: bool) -> AsyncIterator[dict]:
+    base = {"id": f"cmpl-{stream.id}", "object": "text_completion", "created": stream.created, "model": model}
+    offsets = [0] * len(stream.choices)
+    try:
+        async for update in stream:
+            choice = completion_choice(update, want_logprobs, offsets[update.index])
+            offsets[update.index] += len(update.text)
+            yield {**base, "choices": [choice], **({"usage": None} if include_usage else {})}
+    except (StreamBroken, GatewayError) as e:
+        yield _stream_error(e)
+        return
+    if include_usage:
+        yield {**base, "choices": [], "usage": usage_json(stream.usage)}
+
+
+async def _chat_chunks(stream: ResponseStream, model: str, want_logprobs: bool,
+                       include_usage: bool) -> AsyncIterator[dict]:
+    base = {"id": f"chatcmpl-{stream.id}", "object": "chat.completion.chunk", "created": stream.created,
+            "model": model}
+    started = [False] * len(stream.choices)
+    try:
+        async for update in stream:
+            choice = chat_chunk_choice(update, want_logprobs, not started[update.index])
+            started[update.index] = True
+            yield {**base, "choices": [choice], **({"usage": None} if include_usage else {})}
+    except (StreamBroken, GatewayError) as e:
+        yield _stream_error(e)
+        return
+    if include_usage:
+        yield {**base, "choices": [], "usage": usage_json(stream.usage)}
+
+
+class _ServerSpanMiddleware:
+    """A SERVER span per HTTP request, joined to the caller's W3C traceparent;
+    it covers the whole response, streamed bodies included."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        name = f"{scope['method']} {scope['path']}"
+        with _tracer.start_as_current_span(name, context=context_from_headers(headers), kind=SpanKind.SERVER) as span:
+            span.set_attribute("http.request.method", scope["method"])
+            span.set_attribute("url.path", scope["path"])
+            status = {}
+
+            async def send_with_status(message):
+                if message["type"] == "http.response.start":
+                    status["code"] = message["status"]
+                    span.set_attribute("http.response.status_code", message["status"])
+                await send(message)
+
+            await self.app(scope, receive, send_with_status)
+            if status.get("code", 200) >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+

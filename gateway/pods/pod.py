@@ -1,0 +1,68 @@
+"""One engine pod as the gateway sees it: a channel, its last load report,
+and whether it is routable."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from tessera.v1 import engine_pb2 as epb
+from tessera.v1 import engine_pb2_grpc as epb_grpc
+
+# gRPC channel options for a long-lived loopback/cluster connection: fail
+# fast when the pod is gone instead of waiting for reconnect back-off.
+_CHANNEL_OPTIONS = [
+    ("grpc.enable_retries", 0),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10_000),
+]
+
+
+@dataclass
+class Pod:
+    address: str
+    role: str
+    channel: grpc.aio.Channel = field(init=False, repr=False)
+    stub: epb_grpc.EngineStub = field(init=False, repr=False)
+    # The last load report (None until the first one arrives).
+    load: epb.LoadReport | None = None
+    load_time: float = 0.0
+    # Requests this gateway sent since the last report: the report cannot
+    # count them yet, the score must.
+    dispatched_since_report: int = 0
+    # Requests of this gateway running on the pod now.
+    in_flight: int = 0
+    # False while ejected (connection lost, failed calls) until a report arrives.
+    healthy: bool = False
+
+    def __post_init__(self) -> None:
+        self.channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+        self.stub = epb_grpc.EngineStub(self.channel)
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and self.load is not None and self.load.serving
+
+    def on_report(self, report: epb.LoadReport) -> None:
+        self.load = report
+        self.load_time = time.monotonic()
+        self.dispatched_since_report = 0
+        self.healthy = True
+
+    def eject(self) -> None:
+        self.healthy = False
+
+    def waiting(self) -> int:
+        return (self.load.num_waiting if self.load else 0) + self.dispatched_since_report
+
+    def free_slots(self, max_waiting: int, max_kv_usage: float) -> int:
+        """How many more requests this pod can queue before it is saturated."""
+        if not self.routable or self.load.kv_cache_usage >= max_kv_usage:
+            return 0
+        return max(0, max_waiting - self.waiting())
+
+    async def close(self) -> None:
+        await self.channel.close(grace=None)

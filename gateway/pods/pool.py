@@ -1,0 +1,107 @@
+"""The set of engine pods by role, kept fresh by their pushed load reports.
+
+Each pod streams `LoadReport`s (Engine.StreamLoad); a broken stream or a
+failed call ejects the pod, and the watcher reconnects every
+`reprobe_interval_s` until a report arrives again. Membership changes come
+from discovery (a static list or EndpointSlices).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from gateway.config import AdmissionConfig, RouterConfig
+from gateway.pods.pod import Pod
+from tessera.v1 import engine_pb2 as epb
+
+logger = logging.getLogger(__name__)
+
+
+class PodPool:
+    def __init__(self, router_config: RouterConfig, admission_config: AdmissionConfig,
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        self.router_config = router_config
+        self.admission_config = admission_config
+        # Called after every report or ejection (admission re-reads capacity).
+        self.on_change = on_change
+        self.pods: dict[str, Pod] = {}
+        self._watchers: dict[str, asyncio.Task] = {}
+
+    # -- membership ------------------------------------------------------
+    def set_members(self, role: str, addresses: list[str]) -> None:
+        """Make the pods of `role` exactly `addresses` (discovery calls this)."""
+        wanted = set(addresses)
+        for address, pod in list(self.pods.items()):
+            if pod.role == role and address not in wanted:
+                self._remove(address)
+        for address in addresses:
+            if address not in self.pods:
+                pod = Pod(address, role)
+                self.pods[address] = pod
+                self._watchers[address] = asyncio.get_running_loop().create_task(self._watch(pod))
+                logger.info("pool: added %s pod %s", role, address)
+        self.on_change()
+
+    def _remove(self, address: str) -> None:
+        pod = self.pods.pop(address)
+        self._watchers.pop(address).cancel()
+        asyncio.get_running_loop().create_task(pod.close())
+        logger.info("pool: removed %s pod %s", pod.role, address)
+
+    async def close(self) -> None:
+        for task in self._watchers.values():
+            task.cancel()
+        await asyncio.gather(*self._watchers.values(), return_exceptions=True)
+        await asyncio.gather(*(pod.close() for pod in self.pods.values()), return_exceptions=True)
+
+    # -- state -----------------------------------------------------------
+    def routable(self, role: str | None = None) -> list[Pod]:
+        return [p for p in self.pods.values() if p.routable and (role is None or p.role == role)]
+
+    def roles(self) -> set[str]:
+        return {p.role for p in self.pods.values()}
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.routable("prefill")) and bool(self.routable("decode"))
+
+    def free_slots(self) -> int:
+        """Requests the pool can take before every entry pod is saturated.
+
+        Entry pods are those that start requests: mixed pods, or decode pods
+        in P/D mode (every request ends there)."""
+        a = self.admission_config
+        entry = [p for p in self.pods.values() if p.role in ("mixed", "decode")]
+        return sum(p.free_slots(a.max_waiting_per_pod, a.max_kv_usage) for p in entry)
+
+    def eject(self, pod: Pod, reason: str) -> None:
+        if pod.healthy:
+            logger.warning("pool: ejecting %s pod %s: %s", pod.role, pod.address, reason)
+        pod.eject()
+        self.on_change()
+
+    # -- load reports ----------------------------------------------------
+    async def _watch(self, pod: Pod) -> None:
+        interval = self.router_config.load_interval_ms
+        while True:
+            try:
+                call = pod.stub.StreamLoad(epb.LoadRequest(interval_ms=interval))
+                async for report in call:
+                    was_routable = pod.routable
+                    pod.on_report(report)
+                    if not was_routable and pod.routable:
+                        logger.info("pool: %s pod %s is serving", pod.role, pod.address)
+                    self.on_change()
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as e:
+                self.eject(pod, f"load stream: {e.code().name}")
+            except Exception as e:  # never let one pod's watcher die
+                self.eject(pod, f"load stream: {e!r}")
+            else:
+                self.eject(pod, "load stream ended")
+            await asyncio.sleep(self.router_config.reprobe_interval_s)

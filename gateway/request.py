@@ -1,0 +1,119 @@
+"""The gateway's own request and output types, between the front ends
+(REST, gRPC) and the serving pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.v1 import engine_pb2 as epb
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+
+
+@dataclass
+class SamplingOptions:
+    """OpenAI's sampling fields plus vLLM's extensions, already range-checked."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def validate(self) -> None:
+        """ValueError naming the field (the front ends check types, this checks ranges)."""
+        checks = [
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (0.0 <= self.temperature <= 2.0, "temperature", "must be in [0, 2]"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive number"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]"),
+            (1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]"),
+            (len(self.stop) <= 16 and all(self.stop), "stop", "at most 16 non-empty strings"),
+            (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]"),
+            (self.seed is None or -(2**63) <= self.seed < 2**63, "seed", "must fit in 64 bits"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ValueError(f"{name}: {rule}")
+
+    def to_engine(self, max_tokens: int, child_index: int) -> epb.SamplingParams:
+        # Each of n samples gets its own seed, so seeded samples differ yet
+        # stay reproducible (the offline LLM does the same).
+        seed = None if self.seed is None else self.seed + child_index
+        params = epb.SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+        )
+        if seed is not None:
+            params.seed = seed
+        if self.logprobs is not None:
+            params.logprobs = self.logprobs
+        return params
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    model: str
+    # Exactly one of these is set by the front end; the pipeline tokenizes.
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    add_generation_prompt: bool = True
+    options: SamplingOptions = field(default_factory=SamplingOptions)
+    priority_class: str | None = None
+    user: str | None = None
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    # (token id, token text, logprob) of the top alternatives, best first.
+    top: list[tuple[int, str, float]]
+
+
+@dataclass
+class ChoiceUpdate:
+    """New output of one choice: a text delta, or its end."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    # The stop string (str) or stop token id (int) that ended the choice.
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens

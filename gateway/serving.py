@@ -1,0 +1,347 @@
+"""The serving pipeline: authenticate -> validate and tokenize -> admit ->
+route -> (prefill on a prefill pod) -> generate on an engine pod -> stream
+choices back.
+
+`Gateway.open_stream` runs every step that can refuse the request and waits
+for the first engine output, so the front ends answer a refusal with its
+proper status (401, 400, 404, 429, 503) before any byte of a stream is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from opentelemetry import trace
+
+from gateway.admission import AdmissionController, Rejected, Ticket
+from gateway.choice import ChoiceState
+from gateway.config import GatewayConfig
+from gateway.engine_call import prefill, stream_choice
+from gateway.errors import (
+    GatewayError,
+    StreamBroken,
+    bad_request,
+    internal,
+    model_not_found,
+    rate_limited,
+    unauthenticated,
+    unavailable,
+)
+from gateway.metrics import GatewayMetrics
+from gateway.model import PromptError, ServedModel
+from gateway.pods import Pod, PodPool
+from gateway.priority import PriorityClass, PriorityClasses, PriorityClassError
+from gateway.request import ChoiceUpdate, GenerationRequest, Usage
+from gateway.router import Router, ScoredPod
+from gateway.tenants import AuthError, Tenant, TenantRegistry
+from kv_store.block_hash import hash_request_tokens
+from tessera.tracing import tracer
+from tessera.v1 import engine_pb2 as epb
+
+logger = logging.getLogger(__name__)
+_tracer = tracer("tessera.gateway")
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Where a request's engine calls go."""
+
+    candidates: list[Pod]
+    prefill_candidates: list[Pod]
+    matched_tokens: int
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, model: ServedModel, tenants: TenantRegistry,
+                 classes: PriorityClasses, metrics: GatewayMetrics | None = None) -> None:
+        self.config = config
+        self.model = model
+        self.tenants = tenants
+        self.classes = classes
+        self.metrics = metrics or GatewayMetrics()
+        self.pool = PodPool(config.router, config.admission, on_change=self._on_pool_change)
+        self.admission = AdmissionController(
+            max_queue_len=config.admission.max_queue_len, queue_timeout_s=config.admission.queue_timeout_s
+        )
+        self.router = Router(self.pool, config.router, config.admission, model.block_size)
+
+    def _on_pool_change(self) -> None:
+        # Until a pod has reported, capacity is unknown: do not hold requests back.
+        if any(p.load is not None for p in self.pool.pods.values()):
+            self.admission.set_capacity(self.pool.free_slots())
+        for role in ("mixed", "prefill", "decode"):
+            self.metrics.pods_routable.labels(role).set(len(self.pool.routable(role)))
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    # -- the pipeline ----------------------------------------------------
+    async def open_stream(self, req: GenerationRequest, authorization: str | None,
+                          endpoint: str) -> "ResponseStream":
+        arrival = time.monotonic()
+        tenant = self.authenticate(authorization)
+        labels = (tenant.name, req.priority_class or tenant.priority_class or self.classes.default.name)
+        try:
+            pclass, prompt_ids, max_tokens = self._validate(req, tenant)
+            labels = (tenant.name, pclass.name)
+            if not self.pool.routable():
+                raise unavailable("no engine pod is serving; retry shortly", "no_engine_pod")
+            ticket = await self._admit(tenant, pclass, len(prompt_ids))
+        except GatewayError as e:
+            self.metrics.requests.labels(*labels, endpoint, "rejected").inc()
+            raise e from None
+        stream = ResponseStream(self, req, tenant, pclass, prompt_ids, max_tokens, ticket, arrival, endpoint)
+        try:
+            await stream.start()
+        except BaseException:
+            await stream.aclose()
+            raise
+        return stream
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        try:
+            return self.tenants.authenticate(authorization)
+        except AuthError as e:
+            self.metrics.rejections.labels("", "", "unauthenticated").inc()
+            raise unauthenticated(str(e)) from None
+
+    def _validate(self, req: GenerationRequest, tenant: Tenant) -> tuple[PriorityClass, list[int], int]:
+        if req.model != self.model.name:
+            raise model_not_found(req.model, self.model.name)
+        try:
+            pclass = self.classes.resolve(tenant, req.priority_class)
+        except PriorityClassError as e:
+            raise bad_request(str(e), "invalid_priority_class", "priority_class") from None
+        try:
+            req.options.validate()
+        except ValueError as e:
+            raise bad_request(str(e), "invalid_value", str(e).split(":")[0]) from None
+        try:
+            prompt_ids = self._tokenize(req)
+            self.model.check_token_ids(prompt_ids)
+            max_tokens = self.model.check_length(len(prompt_ids), req.options.max_tokens)
+        except PromptError as e:
+            raise bad_request(str(e), e.code, e.param) from None
+        return pclass, prompt_ids, max_tokens
+
+    def _tokenize(self, req: GenerationRequest) -> list[int]:
+        if req.messages is not None:
+            return self.model.encode_chat(req.messages, req.add_generation_prompt)
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids)
+        return self.model.encode(req.prompt or "")
+
+    async def _admit(self, tenant: Tenant, pclass: PriorityClass, num_prompt_tokens: int) -> Ticket:
+        with _tracer.start_as_current_span("gateway.admission") as span:
+            span.set_attribute("tessera.tenant", tenant.name)
+            span.set_attribute("tessera.priority_class", pclass.name)
+            try:
+                return await self.admission.admit(tenant, pclass, num_prompt_tokens)
+            except Rejected as e:
+                self.metrics.rejections.labels(tenant.name, pclass.name, e.reason).inc()
+                span.set_attribute("tessera.rejected", e.reason)
+                if e.reason == "queue_timeout":
+                    raise unavailable(e.message, e.reason, e.retry_after) from None
+                raise rate_limited(e.message, e.reason, e.retry_after) from None
+            finally:
+                self._update_queue_gauge()
+
+    def _update_queue_gauge(self) -> None:
+        by_class = self.admission.queue_len_by_class()
+        for pclass in self.classes:
+            self.metrics.queue_length.labels(pclass.name).set(by_class.get(pclass.name, 0))
+
+    async def plan(self, prompt_ids: list[int], cache_salt: str, request_id: str) -> _Plan:
+        """Rank pods for the request; decide on P/D disaggregation."""
+        with _tracer.start_as_current_span("gateway.route") as span:
+            hashes = hash_request_tokens(prompt_ids, self.model.block_size, cache_salt)
+            key = hashes[0] if hashes else request_id.encode()
+            if self.pool.disaggregated:
+                plan = await self._plan_disaggregated(hashes, len(prompt_ids), key)
+            else:
+                ranked = await self.router.rank("mixed", hashes, len(prompt_ids), key)
+                if not ranked:  # only P/D pods, one pool down: decode pods compute prompts themselves
+                    ranked = await self.router.rank("decode", hashes, len(prompt_ids), key)
+                plan = self._plan_from(ranked, [])
+            if not plan.candidates:
+                raise unavailable("no engine pod is serving; retry shortly", "no_engine_pod")
+            span.set_attribute("tessera.pod", plan.candidates[0].address)
+            span.set_attribute("tessera.prefix_hit_tokens", plan.matched_tokens)
+            span.set_attribute("tessera.disaggregated", bool(plan.prefill_candidates))
+            self.metrics.prefix_hit_tokens.labels(plan.candidates[0].address).inc(plan.matched_tokens)
+            return plan
+
+    async def _plan_disaggregated(self, hashes: list[bytes], num_tokens: int, key: bytes) -> _Plan:
+        decode = await self.router.rank("decode", hashes, num_tokens, key)
+        matched = decode[0].matched_blocks * self.model.block_size if decode else 0
+        if num_tokens - matched < self.config.disaggregation.min_uncached_tokens:
+            return self._plan_from(decode, [])
+        prefill_ranked = await self.router.rank("prefill", hashes, num_tokens, key)
+        return self._plan_from(decode, [s.pod for s in prefill_ranked])
+
+    def _plan_from(self, ranked: list[ScoredPod], prefill_pods: list[Pod]) -> _Plan:
+        matched = ranked[0].matched_blocks * self.model.block_size if ranked else 0
+        return _Plan([s.pod for s in ranked], prefill_pods, matched)
+
+
+class ResponseStream:
+    """One admitted request in flight: its choices' tasks and their merged updates."""
+
+    def __init__(self, gateway: Gateway, req: GenerationRequest, tenant: Tenant, pclass: PriorityClass,
+                 prompt_ids: list[int], max_tokens: int, ticket: Ticket, arrival: float, endpoint: str) -> None:
+        self.gateway = gateway
+        self.req = req
+        self.id = req.request_id
+        self.tenant = tenant
+        self.pclass = pclass
+        self.prompt_ids = prompt_ids
+        self.max_tokens = max_tokens
+        self.ticket = ticket
+        self.arrival = arrival
+        self.endpoint = endpoint
+        self.created = int(time.time())
+        self.choices = [ChoiceState(i, gateway.model.tokenizer, prompt_ids, req.options)
+                        for i in range(req.options.n)]
+        self._updates: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._first: ChoiceUpdate | None = None
+        self._first_token_time: float | None = None
+        self._remaining = req.options.n
+        self._closed = False
+        self.outcome = "ok"
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        return self.tenant.name, self.pclass.name
+
+    @property
+    def usage(self) -> Usage:
+        cached = self.choices[0].num_cached_tokens or 0
+        return Usage(len(self.prompt_ids), sum(c.num_tokens for c in self.choices), cached)
+
+    async def start(self) -> None:
+        g = self.gateway
+        plan = await g.plan(self.prompt_ids, self.tenant.cache_salt, self.id)
+        metadata = [("x-tessera-tenant", self.tenant.name)]
+        prefill_task = None
+        if plan.prefill_candidates:
+            request = self._engine_request(0, plan)
+            prefill_task = asyncio.create_task(
+                prefill(g.pool, plan.prefill_candidates, request, metadata, self._on_attempt("prefill"))
+            )
+            self._tasks.append(prefill_task)
+        for choice in self.choices:
+            self._tasks.append(asyncio.create_task(self._run_choice(choice, plan, metadata, prefill_task)))
+        # Wait for the first output (or the refusal) before the front end answers.
+        first = await self._updates.get()
+        if isinstance(first, BaseException):
+            raise first
+        self._first = first
+
+    def _engine_request(self, index: int, plan: _Plan, consume: bool = False) -> epb.GenerateRequest:
+        req = epb.GenerateRequest(
+            request_id=f"{self.id}-{index}",
+            prompt_token_ids=self.prompt_ids,
+            sampling_params=self.req.options.to_engine(self.max_tokens, index),
+            priority=self.pclass.priority,
+            cache_salt=self.tenant.cache_salt,
+        )
+        if consume:
+            req.kv_transfer.mode = epb.KVTransferParams.MODE_CONSUME
+        return req
+
+    def _on_attempt(self, kind: str):
+        def record(pod: Pod, attempt: int) -> None:
+            pod.dispatched_since_report += 1
+            self.gateway.metrics.routing.labels(pod.address, pod.role, "retry" if attempt else kind).inc()
+            if attempt:
+                self.gateway.metrics.retries.inc()
+        return record
+
+    async def _run_choice(self, choice: ChoiceState, plan: _Plan, metadata, prefill_task) -> None:
+        g = self.gateway
+        try:
+            consume = False
+            if prefill_task is not None:
+                consume = await asyncio.shield(prefill_task)
+            request = self._engine_request(choice.index, plan, consume)
+            kind = "decode" if prefill_task is not None else "route"
+            async for response in stream_choice(g.pool, plan.candidates, request, metadata, self._on_attempt(kind)):
+                update = choice.on_response(response)
+                self.ticket.charge_output_tokens(len(response.token_ids))
+                await self._updates.put(update)
+                if choice.finished:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except (GatewayError, StreamBroken) as e:
+            await self._updates.put(e)
+        except Exception as e:  # a bug: end this request with 500, keep the gateway up
+            logger.exception("request %s choice %d failed", self.id, choice.index)
+            await self._updates.put(internal(f"internal error: {type(e).__name__}"))
+
+    async def __aiter__(self) -> AsyncIterator[ChoiceUpdate]:
+        """Updates of every choice as they come; raises StreamBroken (or a
+        GatewayError) if an engine fails mid-stream."""
+        try:
+            if self._first is not None:
+                first, self._first = self._first, None
+                self._on_update(first)
+                yield first
+            while self._remaining > 0:
+                item = await self._updates.get()
+                if isinstance(item, BaseException):
+                    self.outcome = "error"
+                    raise item
+                self._on_update(item)
+                yield item
+        except (asyncio.CancelledError, GeneratorExit):
+            self.outcome = "cancelled"
+            raise
+        finally:
+            await self.aclose()
+
+    def _on_update(self, update: ChoiceUpdate) -> None:
+        if self._first_token_time is None and update.token_ids:
+            self._first_token_time = time.monotonic()
+            self.gateway.metrics.ttft.labels(*self.labels).observe(self._first_token_time - self.arrival)
+        if update.finish_reason is not None:
+            self._remaining -= 1
+
+    async def collect(self) -> list[ChoiceUpdate]:
+        """Every choice's whole output (for non-streaming answers)."""
+        merged = [ChoiceUpdate(i) for i in range(len(self.choices))]
+        async for update in self:
+            m = merged[update.index]
+            m.text += update.text
+            m.token_ids += update.token_ids
+            m.logprobs += update.logprobs
+            m.finish_reason, m.stop_reason = update.finish_reason, update.stop_reason
+        return merged
+
+    async def aclose(self) -> None:
+        """Cancel whatever still runs (aborting it on its pods), release the
+        admission ticket, record the request. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.ticket.release()
+        m, labels = self.gateway.metrics, self.labels
+        if self._remaining > 0 and self.outcome == "ok":
+            self.outcome = "cancelled"
+        m.requests.labels(*labels, self.endpoint, self.outcome).inc()
+        usage = self.usage
+        m.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
+        m.generation_tokens.labels(*labels).inc(usage.completion_tokens)
+        m.cached_tokens.labels(*labels).inc(usage.cached_tokens)
+        m.e2e.labels(*labels).observe(time.monotonic() - self.arrival)
+        span = trace.get_current_span()
+        span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
