@@ -16,6 +16,9 @@ from typing import Any
 import yaml
 
 ROLES = ("mixed", "prefill", "decode")
+# "score": KV-aware scoring (gateway/router.py); "round_robin": a baseline
+# that ignores prefixes and load, for benchmarks and A/B comparisons.
+ROUTER_POLICIES = ("score", "round_robin")
 
 
 class GatewayConfigError(ValueError):
@@ -80,6 +83,7 @@ class RouterWeights:
 
 @dataclass(frozen=True)
 class RouterConfig:
+    policy: str = "score"
     weights: RouterWeights = RouterWeights()
     # Divides running requests in the score: a pod running this many counts 1.
     running_norm: int = 32
@@ -133,6 +137,8 @@ class GatewayConfig:
         _check(0 < a.max_kv_usage <= 1, "admission.max_kv_usage must be in (0, 1]")
         _check(a.max_queue_len >= 0, "admission.max_queue_len must be >= 0")
         _check(a.queue_timeout_s > 0, "admission.queue_timeout_s must be > 0")
+        _check(self.router.policy in ROUTER_POLICIES,
+               f"router.policy: {self.router.policy!r} is not one of {ROUTER_POLICIES}")
         w = self.router.weights
         _check(min(w.prefix, w.waiting, w.running, w.kv_usage) >= 0, "router.weights must be >= 0")
         _check(self.router.running_norm >= 1, "router.running_norm must be >= 1")

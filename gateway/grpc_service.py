@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 
-import grpc
 from opentelemetry.trace import SpanKind
 
 from gateway.errors import GatewayError, StreamBroken, bad_request, unavailable

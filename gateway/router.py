@@ -14,6 +14,10 @@ gateway replicas run active-active without shared state. `tie_break` is a
 rendezvous hash of the prompt's first block and the pod address, below
 1e-6: prompts sharing a prefix that no pod holds yet still agree on a pod.
 docs/gateway.md explains the weights.
+
+With `router.policy: round_robin` the router skips all of this (no prefix
+queries) and rotates through the routable pods: the baseline the routing
+benchmark compares the scorer against.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ class Router:
         self.config = config
         self.max_waiting = admission.max_waiting_per_pod
         self.block_size = block_size
+        # Round robin: the next starting position, per role.
+        self._turn: dict[str, int] = {}
 
     async def rank(self, role: str, block_hashes: list[bytes], num_prompt_tokens: int,
                    key: bytes) -> list[ScoredPod]:
@@ -73,6 +79,8 @@ class Router:
         pods = self.pool.routable(role)
         if not pods:
             return []
+        if self.config.policy == "round_robin":
+            return self._rotate(role, pods)
         if block_hashes and len(pods) > 1:
             matched = await asyncio.gather(*(self._matched_blocks(p, block_hashes) for p in pods))
         elif block_hashes:
@@ -87,6 +95,14 @@ class Router:
             scored.append(ScoredPod(pod, score, blocks))
         scored.sort(key=lambda s: s.score, reverse=True)
         return scored
+
+    def _rotate(self, role: str, pods: list[Pod]) -> list[ScoredPod]:
+        """The pods starting at this role's turn (the rest stay as retry
+        fallbacks), scored by position so the order reads best first."""
+        turn = self._turn.get(role, 0) % len(pods)
+        self._turn[role] = turn + 1
+        rotated = pods[turn:] + pods[:turn]
+        return [ScoredPod(pod, -float(i), 0) for i, pod in enumerate(rotated)]
 
     async def _matched_blocks(self, pod: Pod, block_hashes: list[bytes]) -> int:
         """Leading blocks the pod holds, as it reports them; 0 if it does not

@@ -77,10 +77,5 @@ def inject_metadata(metadata: list[tuple[str, str]], span: trace.Span | None = N
     return metadata + list(carrier.items())
 
 
-def context_from_headers(headers) -> object:
-    """The caller's trace context from HTTP headers (any mapping)."""
-    return _PROPAGATOR.extract(carrier={k.lower(): v for k, v in headers.items()})
-
-
 def tracer(name: str = "tessera.engine_pod") -> trace.Tracer:
     return trace.get_tracer(name)

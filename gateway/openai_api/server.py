@@ -15,7 +15,6 @@ from math import ceil
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.errors import GatewayError, StreamBroken, bad_request, internal, unavailable
@@ -28,10 +27,8 @@ from gateway.openai_api.render import (
 )
 from gateway.request import GenerationRequest
 from gateway.serving import Gateway, ResponseStream
-from tessera.tracing import context_from_headers, tracer
 
 logger = logging.getLogger(__name__)
-_tracer = tracer("tessera.gateway")
 
 
 def error_response(e: GatewayError) -> JSONResponse:
@@ -55,7 +52,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def build_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="Tessera gateway", version="v1",
                   description="OpenAI-compatible inference API of a Tessera InferenceService.")
-    app.add_middleware(_ServerSpanMiddleware)
+    # FastAPI itself makes the SERVER span of each request (joined to the
+    # caller's W3C traceparent) with the global tracer provider.
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError):
@@ -218,32 +216,3 @@ async def _chat_chunks(stream: ResponseStream, model: str, want_logprobs: bool,
         return
     if include_usage:
         yield {**base, "choices": [], "usage": usage_json(stream.usage)}
-
-
-class _ServerSpanMiddleware:
-    """A SERVER span per HTTP request, joined to the caller's W3C traceparent;
-    it covers the whole response, streamed bodies included."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
-        name = f"{scope['method']} {scope['path']}"
-        with _tracer.start_as_current_span(name, context=context_from_headers(headers), kind=SpanKind.SERVER) as span:
-            span.set_attribute("http.request.method", scope["method"])
-            span.set_attribute("url.path", scope["path"])
-            status = {}
-
-            async def send_with_status(message):
-                if message["type"] == "http.response.start":
-                    status["code"] = message["status"]
-                    span.set_attribute("http.response.status_code", message["status"])
-                await send(message)
-
-            await self.app(scope, receive, send_with_status)
-            if status.get("code", 200) >= 500:
-                span.set_status(Status(StatusCode.ERROR))
-

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
-from concurrent import futures
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import (
-    trace_service_pb2,
-    trace_service_pb2_grpc,
-)
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_pod.server.process import EnginePodProcess, free_port
+from engine_pod.server.process import EnginePodProcess
+from tests.otlp import otlp_collector, otlp_env  # noqa: F401 (fixture)
 from tests.pod.client import generate_all, greedy
 from tests.pod.conftest import POD_ARGS
 
@@ -52,37 +48,9 @@ def test_metrics_move_as_expected(pod):
     assert after[("tessera:kv_cache_usage_perc", ())] == 0
 
 
-class _Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self) -> None:
-        self.spans = []
-
-    def Export(self, request, context):
-        for resource_spans in request.resource_spans:
-            for scope_spans in resource_spans.scope_spans:
-                self.spans.extend(scope_spans.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-
-@pytest.fixture
-def otlp_collector():
-    collector = _Collector()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
-    port = free_port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    yield collector, port
-    server.stop(0)
-
-
 def test_request_span_is_a_child_of_the_callers_trace(tiny_llama, tmp_path, otlp_collector):
     collector, port = otlp_collector
-    env = {
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
-        "OTEL_EXPORTER_OTLP_INSECURE": "true",
-        "OTEL_BSP_SCHEDULE_DELAY": "100",
-    }
+    env = otlp_env(port)
     trace_id, parent_span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     with EnginePodProcess(tiny_llama, POD_ARGS, env=env, log_path=tmp_path / "pod.log") as pod:
         pod.wait_serving()
@@ -98,7 +66,7 @@ def test_request_span_is_a_child_of_the_callers_trace(tiny_llama, tmp_path, otlp
         tokens, _ = asyncio.run(run())
         assert len(tokens) == 3
     # SIGTERM shut the pod down, which flushes its span processor.
-    spans = [s for s in collector.spans if s.name == "engine.generate"]
+    spans = collector.named("engine.generate")
     assert len(spans) == 1
     span = spans[0]
     assert span.trace_id.hex() == trace_id
