@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import signal
 
 import grpc
 import uvicorn
@@ -87,12 +89,15 @@ async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
     health_task = asyncio.create_task(_track_health(gateway, health_servicer))
 
     app = build_app(gateway)
-    http = uvicorn.Server(uvicorn.Config(
+    http = _HttpServer(uvicorn.Config(
         app, host=config.server.host, port=config.server.http_port, log_level="warning", access_log=False,
         lifespan="off", timeout_graceful_shutdown=int(drain_timeout),
     ))
     logger.info("gateway: REST on %s:%d, gRPC on %s, model %s", config.server.host, config.server.http_port,
                 address, config.model.name)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, http.request_exit)
     try:
         await http.serve()  # returns after SIGINT/SIGTERM, once in-flight HTTP requests finish
     finally:
@@ -102,6 +107,20 @@ async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
         if watcher is not None:
             watcher.stop()
         await gateway.close()
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn without its own signal handling: it would re-raise SIGTERM
+    after its shutdown and kill the process before the gRPC server drains."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def request_exit(self) -> None:
+        if self.should_exit:  # a second signal: stop waiting for in-flight requests
+            self.force_exit = True
+        self.should_exit = True
 
 
 async def _track_health(gateway: Gateway, servicer) -> None:

@@ -1,0 +1,122 @@
+"""P/D through the gateway: a prefill pod and a decode pod sharing a real
+Redis; long uncached prompts are prefilled on the prefill pod and decoded
+on the decode pod, which loads the prompt's KV from the store."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import httpx
+import pytest
+
+from engine_pod import SamplingParams
+from engine_pod.server.process import EnginePodProcess
+from gateway.process import GatewayProcess
+from tests.gateway.conftest import MODEL_NAME, POD_ARGS, gateway_config
+from tessera.v1 import engine_pb2 as epb
+from tessera.v1 import engine_pb2_grpc as epb_grpc
+
+BLOCK = 16
+THRESHOLD = 48
+
+
+@pytest.fixture(scope="module")
+def pd_platform(tiny_llama, tmp_path_factory):
+    from kv_store.local_redis import RedisServer
+
+    work = tmp_path_factory.mktemp("pd")
+    redis = RedisServer(work)
+    redis_args = ["--kv-redis-url", redis.url]
+    try:
+        with EnginePodProcess(tiny_llama, POD_ARGS + redis_args + ["--role", "prefill"],
+                              log_path=work / "prefill.log") as prefill, \
+             EnginePodProcess(tiny_llama, POD_ARGS + redis_args + ["--role", "decode"],
+                              log_path=work / "decode.log") as decode:
+            prefill.wait_serving()
+            decode.wait_serving()
+            config = gateway_config(tiny_llama, [(prefill, "prefill"), (decode, "decode")],
+                                    disaggregation={"min_uncached_tokens": THRESHOLD})
+            with GatewayProcess(config, work, log_path=work / "gateway.log") as gw:
+                gw.wait_ready(num_pods=2)
+                yield gw, prefill, decode
+    finally:
+        redis.stop()
+
+
+def _routing(gw) -> dict[tuple[str, str], float]:
+    out = {}
+    for line in httpx.get(gw.base_url + "/metrics").text.splitlines():
+        if line.startswith("tessera:gateway_routing_decisions_total{"):
+            labels, value = line.split("} ")
+            fields = dict(kv.split("=") for kv in labels.split("{")[1].split(","))
+            key = (fields["role"].strip('"'), fields["kind"].strip('"'))
+            out[key] = out.get(key, 0) + float(value)
+    return out
+
+
+def _complete(gw, prompt: str, max_tokens: int = 12, **extra) -> dict:
+    r = httpx.post(gw.base_url + "/v1/completions", timeout=60, json={
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_long_prompts_are_disaggregated_and_match_the_offline_engine(pd_platform, offline_llm):
+    gw, _, _ = pd_platform
+    long_prompt = " ".join(f"segment{i} of the shared document" for i in range(20))
+    short_prompt = "A short question"
+    before = _routing(gw)
+    long_out = _complete(gw, long_prompt)
+    after_long = _routing(gw)
+    short_out = _complete(gw, short_prompt)
+    after_short = _routing(gw)
+
+    def delta(a, b, key):
+        return b.get(key, 0) - a.get(key, 0)
+
+    assert delta(before, after_long, ("prefill", "prefill")) == 1
+    assert delta(before, after_long, ("decode", "decode")) == 1
+    # Short prompt: below the threshold, the decode pod computes it alone.
+    assert delta(after_long, after_short, ("prefill", "prefill")) == 0
+    assert delta(after_long, after_short, ("decode", "route")) == 1
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for prompt, out in ((long_prompt, long_out), (short_prompt, short_out)):
+        assert out["choices"][0]["text"] == offline_llm.generate(prompt, params)[0].outputs[0].text
+    # The decode pod loaded every full block of the long prompt from Redis.
+    prompt_tokens = long_out["usage"]["prompt_tokens"]
+    assert prompt_tokens >= THRESHOLD
+    assert long_out["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt_tokens - 1) // BLOCK * BLOCK
+
+
+def _running(pod) -> int:
+    with grpc.insecure_channel(pod.address) as channel:
+        report = epb_grpc.EngineStub(channel).GetLoad(epb.LoadRequest())
+    return report.num_running + report.num_waiting
+
+
+def _aborted(pod) -> float:
+    text = httpx.get(f"http://127.0.0.1:{pod.metrics_port}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tessera:request_success_total{") and 'finished_reason="abort"' in line)
+
+
+def test_a_cancelled_stream_is_aborted_on_every_pod(pd_platform):
+    gw, prefill, decode = pd_platform
+    aborted_before = _aborted(decode)
+    prompt = " ".join(f"cancel{i} me early please" for i in range(20))
+    with httpx.stream("POST", gw.base_url + "/v1/completions", timeout=60, json={
+            "model": MODEL_NAME, "prompt": prompt, "max_tokens": 100, "stream": True, "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(line for line in lines if line.startswith("data:"))
+        assert _running(decode) == 1
+    # The client went away: the decode pod's request is aborted, nothing stays behind.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _running(decode) + _running(prefill) > 0:
+        time.sleep(0.05)
+    assert _running(decode) == 0 and _running(prefill) == 0
+    assert _aborted(decode) == aborted_before + 1
