@@ -26,8 +26,9 @@ def free_port() -> int:
 
 class EnginePodProcess:
     def __init__(self, model: str | Path, extra_args: list[str] = (), env: dict | None = None,
-                 log_path: str | Path | None = None) -> None:
-        self.grpc_port = free_port()
+                 log_path: str | Path | None = None, grpc_port: int | None = None) -> None:
+        # A fixed port lets a restarted pod come back at the same address.
+        self.grpc_port = grpc_port or free_port()
         self.metrics_port = free_port()
         self.address = f"127.0.0.1:{self.grpc_port}"
         cmd = [

@@ -1,0 +1,73 @@
+{{- define "tessera.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tessera.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tessera.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tessera.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "tessera.labels" -}}
+{{ include "tessera.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "tessera.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "tessera.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tessera.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/*
+The operator's permissions: exactly the calls it makes.
+- inferenceservices: kopf lists/watches them and patches its annotations; status via the subresource.
+- owned objects: server-side apply (create + patch), list + delete to prune what a spec no longer needs;
+  get on Deployments to read their ready replicas.
+- pods: list, to count ready and pending engine pods and find their metrics endpoints.
+- endpointslices: read-only, held so the operator may grant it to each gateway's Role (RBAC forbids
+  granting what one does not hold).
+- events: kopf posts scaling decisions and errors.
+*/}}
+{{- define "tessera.rules" -}}
+- apiGroups: ["tessera.dev"]
+  resources: ["inferenceservices"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["tessera.dev"]
+  resources: ["inferenceservices/status"]
+  verbs: ["get", "patch"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["services", "configmaps", "serviceaccounts"]
+  verbs: ["list", "create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["list", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
+- apiGroups: ["discovery.k8s.io"]
+  resources: ["endpointslices"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end -}}

@@ -1,0 +1,150 @@
+"""The gateway's config file, ConfigMap, Deployment, Service and discovery RBAC."""
+
+from __future__ import annotations
+
+import hashlib
+
+import yaml
+
+from tessera_operator import names, pod_parts
+from tessera_operator.names import Owner
+
+HTTP_PORT = 8000
+GRPC_PORT = 50051
+CONFIG_DIR = "/etc/tessera/gateway"
+CONFIG_FILE = "gateway.yaml"
+TENANTS_DIR = "/etc/tessera/tenants"
+TENANTS_KEY = "tenants.yaml"
+
+
+def gateway_config(owner: Owner, spec: dict) -> dict:
+    """The gateway.yaml the gateway reads (`tessera gateway --config`)."""
+    gw = spec["gateway"]
+    config = {
+        "model": {
+            "name": spec["model"]["name"],
+            "path": pod_parts.model_path(spec["model"]),
+            "max_model_len": spec["model"].get("maxModelLen"),
+            "block_size": spec["engine"]["blockSize"],
+        },
+        "server": {"host": "0.0.0.0", "http_port": HTTP_PORT, "grpc_port": GRPC_PORT},
+        "pods": {"kubernetes": {
+            "namespace": owner.namespace,
+            "port_name": "grpc",
+            "services": {role: names.pool_name(owner, role) for role in names.active_pools(spec["mode"])},
+        }},
+    }
+    if "tenantsSecretRef" in gw:
+        config["tenants_file"] = f"{TENANTS_DIR}/{TENANTS_KEY}"
+    config["priority_classes"] = [
+        {"name": c["name"], "priority": c["priority"], "weight": c["weight"], "sheddable": c["sheddable"]}
+        for c in gw["priorityClasses"]
+    ]
+    config["default_priority_class"] = gw["defaultPriorityClass"]
+    config["disaggregation"] = {"min_uncached_tokens": spec["disaggregation"]["minUncachedTokens"]}
+    return config
+
+
+def config_text(owner: Owner, spec: dict) -> str:
+    return yaml.safe_dump(gateway_config(owner, spec), sort_keys=False)
+
+
+def config_map(owner: Owner, spec: dict) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": pod_parts.object_meta(owner, names.gateway_name(owner), names.labels(owner, "gateway")),
+        "data": {CONFIG_FILE: config_text(owner, spec)},
+    }
+
+
+def _probe(path: str, period: int, failures: int) -> dict:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "timeoutSeconds": 3,
+            "failureThreshold": failures}
+
+
+def _volumes(spec: dict, owner: Owner) -> tuple[list[dict], list[dict]]:
+    volumes = [pod_parts.model_volume(spec["model"]),
+               {"name": "config", "configMap": {"name": names.gateway_name(owner)}}]
+    mounts = [pod_parts.model_mount(), {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    tenants = spec["gateway"].get("tenantsSecretRef")
+    if tenants:
+        volumes.append({"name": "tenants", "secret": {"secretName": tenants["name"],
+                                                      "items": [{"key": TENANTS_KEY, "path": TENANTS_KEY}]}})
+        mounts.append({"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True})
+    return volumes, mounts
+
+
+def deployment(owner: Owner, spec: dict) -> dict:
+    gw = spec["gateway"]
+    volumes, mounts = _volumes(spec, owner)
+    container = {
+        "name": "gateway",
+        "image": spec["image"],
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "command": ["tessera"],
+        "args": ["gateway", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+                  {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}],
+        "resources": pod_parts.resources(gw["resources"]),
+        "readinessProbe": _probe("/health", 5, 2),
+        "livenessProbe": _probe("/health", 10, 6),
+        "lifecycle": pod_parts.prestop_sleep(),
+        "volumeMounts": mounts,
+    }
+    labels = names.labels(owner, "gateway")
+    # A changed config must restart the gateway: the hash in the pod template makes that a rollout.
+    digest = hashlib.sha256(config_text(owner, spec).encode()).hexdigest()[:16]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": pod_parts.object_meta(owner, names.gateway_name(owner), labels),
+        "spec": {
+            "replicas": gw["replicas"],
+            "selector": {"matchLabels": names.selector(owner, "gateway")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": labels, "annotations": {names.CONFIG_HASH_ANNOTATION: digest}},
+                "spec": {
+                    "serviceAccountName": names.gateway_name(owner),
+                    "containers": [container],
+                    # Streams in flight last as long as the engines' drain allows.
+                    "terminationGracePeriodSeconds": pod_parts.termination_grace(
+                        spec["engine"]["drainTimeoutSeconds"]),
+                    "enableServiceLinks": False,
+                    "volumes": volumes,
+                },
+            },
+        },
+    }
+
+
+def service(owner: Owner, spec: dict) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": pod_parts.object_meta(owner, names.gateway_name(owner), names.labels(owner, "gateway")),
+        "spec": {
+            "type": spec["gateway"]["serviceType"],
+            "selector": names.selector(owner, "gateway"),
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                      {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"}],
+        },
+    }
+
+
+def rbac(owner: Owner) -> list[dict]:
+    """ServiceAccount and a Role that can only read EndpointSlices of this namespace (pod discovery)."""
+    name = names.gateway_name(owner)
+    labels = names.labels(owner, "gateway")
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": pod_parts.object_meta(owner, name, labels)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": pod_parts.object_meta(owner, name, labels),
+         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": pod_parts.object_meta(owner, name, labels),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}]},
+    ]

@@ -1,0 +1,152 @@
+"""kopf handlers: apply the reconcile function, keep status, run the autoscaler.
+
+The handlers are sync functions (kopf runs them in worker threads) and take
+the cluster API from the operator's memo (`memo.api`), so tests hand them a
+fake. Per-resource memory (scaler history, last metric samples) lives in
+kopf's per-resource memo: an operator restart forgets it, which only delays
+scale-down by one window (see autoscale.decide).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+
+import kopf
+
+from tessera_operator import crd, names
+from tessera_operator.autoscale import Decision, ScalerState, ScalingPolicy, decide
+from tessera_operator.kube import ApiError, ClusterApi
+from tessera_operator.names import Owner
+from tessera_operator.observe import ScrapeMemory, gateway_queued, observe_pool
+from tessera_operator.reconcile import desired_objects, pool_replicas, stale_keys, validated
+from tessera_operator.status import build_status
+from tessera_operator.validation import InvalidInferenceService
+
+DEFAULT_INTERVAL_S = 15.0
+RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def configure(settings: kopf.OperatorSettings, **_) -> None:
+    """Keep kopf's bookkeeping in annotations (the status schema has no room for it)."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=crd.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=crd.GROUP)
+    settings.persistence.finalizer = f"{crd.GROUP}/finalizer"
+    # No CRD or namespace watching: the chart installs the CRD first, and namespaces are
+    # named exactly, so the operator needs no cluster-wide read rights for discovery.
+    settings.scanning.disabled = True
+    settings.posting.level = logging.INFO
+
+
+def _apply(api: ClusterApi, body: dict, objects: list[dict]) -> None:
+    owner = Owner.of(body)
+    for obj in objects:
+        api.apply(obj)
+    for key in stale_keys(api.list_managed(owner.namespace, names.instance_selector(owner)), objects):
+        api.delete(owner.namespace, key)
+        kopf.info(body, reason="Deleted", message=f"{key.kind} {key.name} is no longer part of the spec")
+
+
+def _write_status(api: ClusterApi, body: dict, patch: kopf.Patch, replicas: dict[str, int]) -> None:
+    isvc = validated(body)
+    owner = Owner.of(isvc)
+    deployment_names = [names.gateway_name(owner)] + [names.pool_name(owner, r) for r in replicas]
+    deployments = {name: api.get_deployment(owner.namespace, name) for name in deployment_names}
+    status = build_status(isvc, deployments, replicas, dict(body.get("status") or {}), now_iso())
+    for key, value in status.items():
+        patch.status[key] = value
+
+
+def _invalid(body: dict, patch: kopf.Patch, error: InvalidInferenceService) -> kopf.PermanentError:
+    kopf.warn(body, reason="InvalidSpec", message=str(error))
+    patch.status["conditions"] = [{"type": "Ready", "status": "False", "reason": "InvalidSpec",
+                                   "message": str(error), "lastTransitionTime": now_iso()}]
+    return kopf.PermanentError(str(error))
+
+
+def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, reason: str, logger: logging.Logger,
+              **_) -> None:
+    """create, update and resume: apply every desired object, prune stale ones, report status."""
+    api: ClusterApi = memo.api
+    raw = dict(body)
+    try:
+        replicas = pool_replicas(raw)
+        objects = desired_objects(raw, replicas)
+    except InvalidInferenceService as e:
+        raise _invalid(raw, patch, e) from e
+    try:
+        _apply(api, raw, objects)
+        _write_status(api, raw, patch, replicas)
+    except ApiError as e:
+        kopf.warn(raw, reason="ApplyFailed", message=str(e))
+        raise kopf.TemporaryError(str(e), delay=10) from e
+    logger.info("%s: applied %d objects", reason, len(objects))
+    if reason != "resume":
+        kopf.info(raw, reason="Applied", message=f"{len(objects)} objects applied ({reason})")
+
+
+def on_delete(memo: kopf.Memo, logger: logging.Logger, name: str, **_) -> None:
+    """Owner references let the garbage collector remove the children; only our memory goes here."""
+    memo.pop("scalers", None)
+    memo.pop("scrapes", None)
+    logger.info("%s deleted; its objects go with it (owner references)", name)
+
+
+def _autoscale(api: ClusterApi, body: dict, memo: kopf.Memo, replicas: dict[str, int],
+               now: float) -> list[tuple[str, Decision]]:
+    spec, owner = validated(body)["spec"], Owner.of(body)
+    scalers: dict[str, ScalerState] = memo.setdefault("scalers", {})
+    scrapes: ScrapeMemory = memo.setdefault("scrapes", ScrapeMemory())
+    queued = gateway_queued(api, owner)
+    decisions = []
+    for role, current in replicas.items():
+        policy = ScalingPolicy.from_spec(spec, role)
+        obs = observe_pool(api, owner, role, current, policy.signal, queued, scrapes)
+        decisions.append((role, decide(policy, obs, scalers.setdefault(role, ScalerState()), now)))
+    return decisions
+
+
+def on_tick(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_) -> None:
+    """Every interval: autoscale each pool, re-apply (undoing hand edits), refresh status."""
+    api: ClusterApi = memo.api
+    raw = dict(body)
+    try:
+        replicas = pool_replicas(raw)
+    except InvalidInferenceService:
+        return  # on_change has reported it; nothing safe to apply
+    scaled = []
+    try:
+        if validated(raw)["spec"]["autoscaling"]["enabled"]:
+            for role, decision in _autoscale(api, raw, memo, replicas, time.monotonic()):
+                if decision.changed:
+                    replicas[role] = decision.replicas
+                    scaled.append(role)
+                    _report_scaling(raw, role, decision, logger)
+        _apply(api, raw, desired_objects(raw, replicas))
+        _write_status(api, raw, patch, replicas)
+        for role in scaled:
+            patch.status["pools"][role]["lastScaleTime"] = now_iso()
+    except ApiError as e:
+        kopf.warn(raw, reason="ReconcileFailed", message=str(e))
+        raise kopf.TemporaryError(str(e)) from e
+
+
+def _report_scaling(body: dict, role: str, decision: Decision, logger: logging.Logger) -> None:
+    message = f"{role} pool {decision.previous} -> {decision.replicas}: {decision.message}"
+    logger.info(message)
+    kopf.info(body, reason=decision.reason, message=message)
+
+
+def register(registry: kopf.OperatorRegistry, interval: float = DEFAULT_INTERVAL_S) -> None:
+    kopf.on.startup(registry=registry)(configure)
+    kopf.on.create(*RESOURCE, registry=registry)(on_change)
+    kopf.on.update(*RESOURCE, registry=registry)(on_change)
+    kopf.on.resume(*RESOURCE, registry=registry)(on_change)
+    # optional: no finalizer, so deleting a resource never waits for the operator.
+    kopf.on.delete(*RESOURCE, registry=registry, optional=True)(on_delete)
+    kopf.timer(*RESOURCE, registry=registry, interval=interval)(on_tick)

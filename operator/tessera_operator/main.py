@@ -1,0 +1,55 @@
+"""``tessera operator``: run the kopf operator for one or more namespaces, or all of them."""
+
+from __future__ import annotations
+
+import argparse
+
+import kopf
+from kubernetes import config
+
+from tessera_operator.handlers import DEFAULT_INTERVAL_S, register
+from tessera_operator.kube import KubeApi
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("operator", help="run the Kubernetes operator that reconciles InferenceServices")
+    scope = p.add_mutually_exclusive_group(required=True)
+    scope.add_argument("-n", "--namespace", action="append", dest="namespaces", metavar="NAMESPACE",
+                       help="watch this namespace (repeatable)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
+    p.add_argument("--liveness-port", type=int, default=8080, help="serve GET /healthz here (0: off)")
+    p.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S,
+                   help="seconds between autoscaling and drift-correction passes")
+    p.set_defaults(func=serve)
+
+
+def load_client_config() -> None:
+    """The pod's service account in a cluster, the kubeconfig elsewhere."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+
+
+def kopf_options(args: argparse.Namespace) -> dict:
+    if args.interval <= 0:
+        raise ValueError("interval must be > 0")
+    if not 0 <= args.liveness_port < 65536:
+        raise ValueError(f"liveness_port: {args.liveness_port} is not a port")
+    registry = kopf.OperatorRegistry()
+    register(registry, args.interval)
+    return {
+        "registry": registry,
+        # One replica, no peering objects: the chart runs a single pod with the Recreate strategy.
+        "standalone": True,
+        "clusterwide": bool(args.all_namespaces),
+        "namespaces": list(args.namespaces or ()),
+        "liveness_endpoint": f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None,
+    }
+
+
+def serve(args: argparse.Namespace) -> int:
+    options = kopf_options(args)
+    load_client_config()
+    kopf.run(memo=kopf.Memo(api=KubeApi()), **options)
+    return 0

@@ -1,0 +1,57 @@
+"""One autoscaler tick's look at the cluster: pods of each pool, their metrics, the gateway's queue."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from tessera_operator import names, pods, signals
+from tessera_operator.autoscale import PoolObservation
+from tessera_operator.engine_pool import METRICS_PORT
+from tessera_operator.gateway import HTTP_PORT
+from tessera_operator.kube import ClusterApi
+from tessera_operator.names import Owner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScrapeMemory:
+    """Last samples per pool and pod: latency means are differences between two scrapes."""
+
+    samples: dict[str, dict[str, signals.PodSample]] = field(default_factory=dict)
+
+
+def _scrape_ready(api: ClusterApi, ready: list[dict], port: int) -> dict[str, str]:
+    texts = {}
+    for pod in ready:
+        ip = pods.pod_ip(pod)
+        if not ip:
+            continue
+        try:
+            texts[pods.pod_name(pod)] = api.scrape(ip, port)
+        except Exception as e:  # noqa: BLE001 - one silent pod must not stop scaling the rest
+            logger.warning("scraping %s failed: %s", pods.pod_name(pod), e)
+    return texts
+
+
+def gateway_queued(api: ClusterApi, owner: Owner) -> int:
+    """Requests the gateway pods hold in their admission queues, summed over gateway replicas.
+
+    The gateway does not split its queue by pool; every request needs the pool(s) on its path,
+    so queued demand counts for each pool (it matters only to lift a pool from zero).
+    """
+    ready = [p for p in api.list_pods(owner.namespace, names.gateway_selector(owner)) if pods.is_ready(p)]
+    return sum(signals.parse_gateway_queued(text) for text in _scrape_ready(api, ready, HTTP_PORT).values())
+
+
+def observe_pool(api: ClusterApi, owner: Owner, role: str, replicas: int, signal: str,
+                 queued: int, memory: ScrapeMemory) -> PoolObservation:
+    all_pods = api.list_pods(owner.namespace, names.pool_selector(owner, role))
+    ready = [p for p in all_pods if pods.is_ready(p)]
+    starting = [p for p in all_pods if pods.is_starting(p)]
+    samples = {name: signals.parse_pod_metrics(text) for name, text in _scrape_ready(api, ready, METRICS_PORT).items()}
+    pool = signals.pool_signals(samples, memory.samples.get(role, {}))
+    memory.samples[role] = samples
+    return PoolObservation(replicas=replicas, ready=len(ready), pending=len(starting), signal=pool.value(signal),
+                           busy=pool.busy, gateway_queued=queued)

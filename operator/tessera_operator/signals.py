@@ -1,0 +1,99 @@
+"""From Prometheus text (engine pods' and gateway's /metrics) to each pool's scaling signals.
+
+Latency signals are means over the last interval: the difference of the
+histograms' _sum and _count between two scrapes, summed over the pool's
+ready pods. A pod seen for the first time, or whose counters went down
+(it restarted), contributes its whole history since start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# Names exported by engine_pod/server/metrics.py.
+WAITING = "tessera:num_requests_waiting"
+RUNNING = "tessera:num_requests_running"
+KV_USAGE = "tessera:kv_cache_usage_perc"
+TTFT = "tessera:time_to_first_token_seconds"
+ITL = "tessera:inter_token_latency_seconds"
+# Gauge of gateway/metrics.py: requests waiting in its admission queue (one series per priority class).
+GATEWAY_QUEUED = "tessera:gateway_queue_length"
+
+
+@dataclass(frozen=True)
+class PodSample:
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    ttft_sum: float = 0.0
+    ttft_count: float = 0.0
+    itl_sum: float = 0.0
+    itl_count: float = 0.0
+
+
+@dataclass(frozen=True)
+class PoolSignals:
+    queue: float | None      # waiting requests per ready pod
+    ttft: float | None       # mean TTFT over the interval (s)
+    itl: float | None        # mean inter-token latency over the interval (s)
+    kvUsage: float | None    # noqa: N815 - named as the CRD's signal
+    busy: bool
+
+    def value(self, signal: str) -> float | None:
+        return getattr(self, signal)
+
+
+def _samples(text: str):
+    for family in text_string_to_metric_families(text):
+        yield from family.samples
+
+
+def parse_pod_metrics(text: str) -> PodSample:
+    values: dict[str, float] = {}
+    for s in _samples(text):
+        # One model per pod: sum over label sets to stay robust to extra labels.
+        values[s.name] = values.get(s.name, 0.0) + s.value
+    return PodSample(
+        waiting=values.get(WAITING, 0.0), running=values.get(RUNNING, 0.0), kv_usage=values.get(KV_USAGE, 0.0),
+        ttft_sum=values.get(f"{TTFT}_sum", 0.0), ttft_count=values.get(f"{TTFT}_count", 0.0),
+        itl_sum=values.get(f"{ITL}_sum", 0.0), itl_count=values.get(f"{ITL}_count", 0.0),
+    )
+
+
+def parse_gateway_queued(text: str) -> int:
+    """Requests one gateway pod holds in its admission queue (all priority classes)."""
+    return int(sum(s.value for s in _samples(text) if s.name == GATEWAY_QUEUED))
+
+
+def _delta(cur_sum: float, cur_count: float, prev: PodSample | None, which: str) -> tuple[float, float]:
+    if prev is None:
+        return cur_sum, cur_count
+    prev_sum, prev_count = getattr(prev, f"{which}_sum"), getattr(prev, f"{which}_count")
+    if cur_count < prev_count:  # the pod restarted: its counters began again
+        return cur_sum, cur_count
+    return cur_sum - prev_sum, cur_count - prev_count
+
+
+def _interval_mean(current: dict[str, PodSample], previous: dict[str, PodSample], which: str) -> float | None:
+    total_sum = total_count = 0.0
+    for pod, sample in current.items():
+        d_sum, d_count = _delta(getattr(sample, f"{which}_sum"), getattr(sample, f"{which}_count"),
+                                previous.get(pod), which)
+        total_sum, total_count = total_sum + d_sum, total_count + d_count
+    return total_sum / total_count if total_count > 0 else None
+
+
+def pool_signals(current: dict[str, PodSample], previous: dict[str, PodSample]) -> PoolSignals:
+    """Signals of a pool from its ready pods' samples (keyed by pod name) now and one interval ago."""
+    if not current:
+        return PoolSignals(queue=None, ttft=None, itl=None, kvUsage=None, busy=False)
+    n = len(current)
+    return PoolSignals(
+        queue=sum(s.waiting for s in current.values()) / n,
+        ttft=_interval_mean(current, previous, "ttft"),
+        itl=_interval_mean(current, previous, "itl"),
+        kvUsage=sum(s.kv_usage for s in current.values()) / n,
+        busy=any(s.waiting + s.running > 0 for s in current.values()),
+    )

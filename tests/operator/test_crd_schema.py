@@ -1,0 +1,182 @@
+"""The CRD schema: one home, structural, and enforced the same by jsonschema and validate_inference_service."""
+
+from __future__ import annotations
+
+import copy
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from tessera_operator import InvalidInferenceService, crd, validate_inference_service
+from tessera_operator.validation import RULE_CHECKS
+
+from .conftest import CHART, EXAMPLES, load_example, make_isvc
+
+K8S_VERSIONS = ["1.30.0", "1.37.0"]
+
+
+def strict_schema() -> dict:
+    """The CRD schema as kubectl's strict field validation applies it: unknown fields are errors.
+
+    The CRD itself cannot say additionalProperties: false next to properties (the API server
+    forbids it in structural schemas), so the reference validator gets it added here.
+    """
+    schema = copy.deepcopy(crd.openapi_schema())
+
+    def close(node):
+        if isinstance(node, dict):
+            if "properties" in node and node is not schema["properties"]["metadata"]:
+                node["additionalProperties"] = False
+            for value in node.values():
+                close(value)
+        elif isinstance(node, list):
+            for value in node:
+                close(value)
+
+    close(schema)
+    return schema
+
+
+def reference_errors(obj: dict) -> list[str]:
+    validator = jsonschema.Draft4Validator(strict_schema())
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
+
+
+def test_chart_crd_is_generated_from_the_python_home():
+    on_disk = (CHART / "crds" / "inferenceservices.tessera.dev.yaml").read_text()
+    assert on_disk == crd.crd_yaml(), "run `python -m tessera_operator.write_crd` after editing crd.py"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_crd_validates_against_kubernetes_openapi(version):
+    kubernetes_validate.validate(crd.crd_manifest(), version, strict=True)
+
+
+def test_crd_shape():
+    manifest = crd.crd_manifest()
+    spec = manifest["spec"]
+    assert manifest["metadata"]["name"] == "inferenceservices.tessera.dev"
+    assert spec["scope"] == "Namespaced" and spec["versions"][0]["name"] == "v1alpha1"
+    assert "isvc" not in spec["names"]["shortNames"]  # KServe's
+    version = spec["versions"][0]
+    assert version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
+    assert {"Prefill", "Decode", "URL", "Age"} <= set(columns)
+
+
+def _walk(node, path=""):
+    if isinstance(node, dict):
+        yield path, node
+        for key, value in node.get("properties", {}).items():
+            yield from _walk(value, f"{path}.{key}")
+        for key in ("items", "additionalProperties"):
+            if isinstance(node.get(key), dict):
+                yield from _walk(node[key], f"{path}[{key}]")
+
+
+def test_schema_is_structural():
+    """Every node has a type (or is int-or-string), and properties never sit next to additionalProperties."""
+    for path, node in _walk(crd.openapi_schema()):
+        assert "type" in node or node.get("x-kubernetes-int-or-string"), path
+        assert not ("properties" in node and "additionalProperties" in node), path
+
+
+def test_every_cel_rule_has_a_python_twin():
+    rules = {rule["rule"] for _, node in _walk(crd.openapi_schema())
+             for rule in node.get("x-kubernetes-validations", [])}
+    assert rules == set(RULE_CHECKS)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_validate(path):
+    obj = load_example(path)
+    assert reference_errors(obj) == []
+    validate_inference_service(obj)
+
+
+def test_both_examples_exist():
+    modes = {load_example(p)["spec"]["mode"] for p in EXAMPLES}
+    assert modes == {"mixed", "disaggregated"}
+
+
+def test_defaults_are_applied():
+    out = validate_inference_service(make_isvc())
+    spec = out["spec"]
+    assert spec["mode"] == "mixed"
+    assert spec["engine"]["blockSize"] == 16 and spec["engine"]["prefixCaching"] is True
+    assert spec["pools"]["mixed"] == {"replicas": 1, "minReplicas": 1, "maxReplicas": 4, "resources": {}}
+    assert spec["autoscaling"]["decode"]["signal"] == "kvUsage"
+    assert spec["gateway"]["priorityClasses"][0]["name"] == spec["gateway"]["defaultPriorityClass"] == "standard"
+    # The defaulted object is itself valid for the reference validator.
+    assert reference_errors(out) == []
+
+
+def test_input_is_not_modified():
+    obj = make_isvc()
+    before = copy.deepcopy(obj)
+    validate_inference_service(obj)
+    assert obj == before
+
+
+INVALID = [
+    ("negative replicas", {"pools": {"mixed": {"replicas": -1}}}, "spec.pools.mixed.replicas", True),
+    ("unknown field", {"engine": {"blockSzie": 32}}, "spec.engine.blockSzie", True),
+    ("wrong enum", {"mode": "hybrid"}, "spec.mode", True),
+    ("wrong type", {"engine": {"maxNumSeqs": "many"}}, "spec.engine.maxNumSeqs", True),
+    ("dtype enum", {"model": {"dtype": "int4"}}, "spec.model.dtype", True),
+    ("memory fraction above 1", {"engine": {"gpuMemoryUtilization": 1.5}}, "spec.engine.gpuMemoryUtilization", True),
+    ("bad quantity", {"kvStore": {"hostMemory": "lots"}}, "spec.kvStore.hostMemory", True),
+    ("decode cannot scale on ttft", {"autoscaling": {"decode": {"signal": "ttft"}}},
+     "spec.autoscaling.decode.signal", True),
+    ("zero weight", {"gateway": {"priorityClasses": [{"name": "a", "priority": 1, "weight": 0}],
+                                 "defaultPriorityClass": "a"}}, "spec.gateway.priorityClasses[0].weight", True),
+    # Cross-field rules: CEL on the cluster, so the reference JSON Schema validator cannot see them.
+    ("min above max", {"pools": {"prefill": {"minReplicas": 5, "maxReplicas": 2}}}, "spec.pools.prefill", False),
+    ("two model sources", {"model": {"hostPath": {"path": "/data/llama"}}}, "spec.model", False),
+    ("unknown default class", {"gateway": {"defaultPriorityClass": "gold"}}, "spec.gateway", False),
+    ("duplicate class", {"gateway": {"priorityClasses": [{"name": "a", "priority": 1, "weight": 1},
+                                                         {"name": "a", "priority": 2, "weight": 1}],
+                                     "defaultPriorityClass": "a"}}, "spec.gateway.priorityClasses", False),
+]
+
+
+@pytest.mark.parametrize("case", INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_resources_are_rejected(case):
+    _, change, field, reference_sees_it = case
+    obj = make_isvc(change)
+    with pytest.raises(InvalidInferenceService) as info:
+        validate_inference_service(obj)
+    assert any(e.path == field for e in info.value.errors), str(info.value)
+    assert field in str(info.value)
+    assert isinstance(info.value, ValueError)
+    if reference_sees_it:
+        assert reference_errors(obj), "jsonschema should reject it too"
+
+
+def test_missing_required_and_bad_header():
+    obj = make_isvc()
+    del obj["spec"]["model"]["name"]
+    obj["kind"] = "Deployment"
+    obj["metadata"]["name"] = "Not_A_Label"
+    with pytest.raises(InvalidInferenceService) as info:
+        validate_inference_service(obj)
+    paths = {e.path for e in info.value.errors}
+    assert {"spec.model.name", "kind"} <= paths
+
+
+def test_long_or_odd_names_are_rejected():
+    for name in ("x" * 51, "Upper", "1starts-with-digit"):
+        with pytest.raises(InvalidInferenceService, match="metadata.name"):
+            validate_inference_service(make_isvc(name=name))
+    validate_inference_service(make_isvc(name="a" * 50))
+
+
+def test_yaml_file_round_trip(tmp_path):
+    """What `tessera up` will do: read YAML from disk and validate it."""
+    path = tmp_path / "svc.yaml"
+    path.write_text(yaml.safe_dump(make_isvc({"mode": "disaggregated"})))
+    out = validate_inference_service(yaml.safe_load(path.read_text()))
+    assert out["spec"]["pools"]["prefill"]["maxReplicas"] == 4

@@ -1,0 +1,150 @@
+"""Generated objects and the rendered chart against the Kubernetes OpenAPI schemas (kubernetes-validate).
+
+Versions: 1.30 (the chart's kubeVersion floor) and 1.37 (the newest schemas kubernetes-validate ships).
+"""
+
+from __future__ import annotations
+
+import helm_python
+import kubernetes_validate
+import pytest
+import yaml
+
+from tessera_operator import crd
+from tessera_operator.kube import MANAGED_KINDS
+from tessera_operator.reconcile import desired_objects
+
+from .conftest import CHART, EXAMPLES, load_example, make_isvc
+from .test_reconcile import FULL_SPEC
+
+K8S_VERSIONS = ["1.30.0", "1.37.0"]
+
+
+def render(values: dict | None = None, namespace: str = "tessera-system") -> list[dict]:
+    rendered = helm_python.Chart.load(CHART).render(values=values or {}, name="tessera", namespace=namespace)
+    docs = []
+    for path, text in rendered.items():
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def bodies() -> dict[str, dict]:
+    cases = {p.name: load_example(p) for p in EXAMPLES}
+    cases["minimal"] = make_isvc()
+    cases["full"] = make_isvc(FULL_SPEC)
+    return cases
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("case", sorted(bodies()))
+def test_generated_objects_validate(case, version):
+    objects = desired_objects(bodies()[case])
+    assert {(o["apiVersion"], o["kind"]) for o in objects} <= set(MANAGED_KINDS)
+    for obj in objects:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_validator_catches_a_broken_object():
+    """The check has teeth: a misspelled field fails it."""
+    deployment = next(o for o in desired_objects(make_isvc()) if o["kind"] == "Deployment")
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, "1.37.0", strict=True)
+
+
+VALUES = {
+    "default": {},
+    "namespaced": {"watchNamespaces": ["ml", "research"], "image": {"tag": "dev"},
+                   "operator": {"nodeSelector": {"pool": "system"},
+                                "tolerations": [{"key": "infra", "operator": "Exists"}]}},
+}
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("values", sorted(VALUES))
+def test_rendered_chart_validates(values, version):
+    docs = render(VALUES[values])
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+    for text in (c["data"] for c in helm_python.Chart.load(CHART).crds):
+        kubernetes_validate.validate(yaml.safe_load(text), version, strict=True)
+
+
+def test_chart_lints_clean():
+    report = helm_python.lint(CHART, strict=True, kube_version="v1.30.0")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_chart_ships_the_crd():
+    crds = helm_python.Chart.load(CHART).crds
+    assert [yaml.safe_load(c["data"]) for c in crds] == [crd.crd_manifest()]
+
+
+def _args(docs):
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_all_namespaces_uses_a_cluster_role():
+    docs = render()
+    kinds = {d["kind"] for d in docs}
+    assert {"ClusterRole", "ClusterRoleBinding", "ServiceAccount", "Deployment"} <= kinds
+    assert "Role" not in kinds
+    assert "--all-namespaces" in _args(docs)
+
+
+def test_watched_namespaces_get_roles_and_nothing_cluster_wide():
+    docs = render(VALUES["namespaced"])
+    assert not {"ClusterRole", "ClusterRoleBinding"} & {d["kind"] for d in docs}
+    assert sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == "Role") == ["ml", "research"]
+    args = _args(docs)
+    assert args[args.index("operator"):] [:5] == ["operator", "--namespace", "ml", "--namespace", "research"]
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/tessera-ai/tessera:dev"
+
+
+def test_operator_deployment_runs_the_cli_with_liveness():
+    import argparse
+
+    from tessera_operator.main import add_parser
+
+    docs = render({"operator": {"livenessPort": 9000, "interval": 30}})
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    spec = deployment["spec"]
+    c = spec["template"]["spec"]["containers"][0]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["ports"][0]["containerPort"] == 9000
+    # The args parse with the real CLI.
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--log-level")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(c["args"])
+    assert args.all_namespaces and args.liveness_port == 9000 and args.interval == 30
+
+
+def _granted(docs) -> set[tuple[str, str, str]]:
+    role = next(d for d in docs if d["kind"] in ("ClusterRole", "Role"))
+    return {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]}
+
+
+def test_rbac_is_exactly_what_the_operator_uses():
+    """Least privilege: every grant is used by the operator (KubeApi, kopf), and every use is granted."""
+    used = {("tessera.dev", "inferenceservices", v) for v in ("get", "list", "watch", "patch")}
+    used |= {("tessera.dev", "inferenceservices/status", v) for v in ("get", "patch")}
+    used |= {("", "pods", "list"), ("", "events", "create"), ("apps", "deployments", "get")}
+    for api_version, _kind in MANAGED_KINDS:
+        group = api_version.rpartition("/")[0]
+        resource = MANAGED_KINDS[(api_version, _kind)]
+        # server-side apply creates or patches; pruning lists and deletes.
+        used |= {(group, resource, v) for v in ("create", "patch", "list", "delete")}
+    # Held only so the operator may grant it to the gateway Roles it creates.
+    gateway_rules = next(o for o in desired_objects(make_isvc()) if o["kind"] == "Role")["rules"]
+    used |= {(g, r, v) for rule in gateway_rules for g in rule["apiGroups"] for r in rule["resources"]
+             for v in rule["verbs"]}
+    assert _granted(render()) == used
+    assert _granted(render(VALUES["namespaced"])) == used

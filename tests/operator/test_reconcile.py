@@ -1,0 +1,286 @@
+"""The pure reconcile function: every spec field lands where it should."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from gateway.config import gateway_config_from_dict
+from tessera_operator import InvalidInferenceService
+from tessera_operator.reconcile import ObjectKey, desired_objects, stale_keys
+
+from .conftest import make_isvc
+
+
+def by_key(objects: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def container(objects, name) -> dict:
+    return by_key(objects)[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+
+
+def arg_value(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+FULL_SPEC = {
+    "model": {"name": "llama-70b", "dtype": "bfloat16", "maxModelLen": 8192},
+    "image": "registry.local/tessera:dev",
+    "imagePullPolicy": "Always",
+    "mode": "disaggregated",
+    "engine": {"tensorParallelSize": 4, "blockSize": 32, "maxNumBatchedTokens": 4096, "maxNumSeqs": 64,
+               "prefixCaching": False, "gpuMemoryUtilization": 0.85, "schedulingPolicy": "fcfs",
+               "gpuResourceName": "amd.com/gpu", "drainTimeoutSeconds": 45},
+    "pools": {
+        "prefill": {"replicas": 2, "minReplicas": 1, "maxReplicas": 3,
+                    "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "80Gi"}},
+                    "nodeSelector": {"gpu": "h100"},
+                    "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+        "decode": {"replicas": 3, "minReplicas": 2, "maxReplicas": 8, "gpus": 2},
+    },
+    "kvStore": {"hostMemory": "2Gi", "redis": {"urlSecretRef": {"name": "redis-cred", "key": "address"}}},
+    "gateway": {"replicas": 3, "serviceType": "LoadBalancer", "tenantsSecretRef": {"name": "tenants"},
+                "priorityClasses": [{"name": "gold", "priority": 0, "weight": 8},
+                                    {"name": "batch", "priority": 20, "weight": 1, "sheddable": True}],
+                "defaultPriorityClass": "gold",
+                "resources": {"requests": {"cpu": "2"}}},
+    "disaggregation": {"minUncachedTokens": 1024},
+    "autoscaling": {"enabled": False},
+}
+
+
+@pytest.fixture
+def full():
+    return desired_objects(make_isvc(FULL_SPEC))
+
+
+def test_mixed_mode_objects(isvc):
+    keys = set(by_key(desired_objects(isvc)))
+    assert keys == {("ServiceAccount", "llama-gateway"), ("Role", "llama-gateway"), ("RoleBinding", "llama-gateway"),
+                    ("ConfigMap", "llama-gateway"), ("Deployment", "llama-gateway"), ("Service", "llama-gateway"),
+                    ("Deployment", "llama-engine"), ("Service", "llama-engine")}
+    assert arg_value(container(desired_objects(isvc), "llama-engine")["args"], "--role") == "mixed"
+
+
+def test_disaggregated_mode_objects(full):
+    objects = by_key(full)
+    assert ("Deployment", "llama-engine") not in objects
+    for role in ("prefill", "decode"):
+        assert arg_value(container(full, f"llama-{role}")["args"], "--role") == role
+        assert objects[("Service", f"llama-{role}")]["spec"]["selector"]["tessera.dev/pool"] == role
+
+
+def test_engine_args_carry_every_engine_field(full):
+    c = container(full, "llama-prefill")
+    args = c["args"]
+    assert c["command"] == ["tessera"] and args[0] == "engine"
+    expected = {"--model": "/models/llama-8b", "--host": "0.0.0.0", "--grpc-port": "50061", "--metrics-port": "9090",
+                "--served-model-name": "llama-70b", "--dtype": "bfloat16", "--max-model-len": "8192",
+                "--block-size": "32", "--max-num-batched-tokens": "4096", "--max-num-seqs": "64",
+                "--gpu-memory-utilization": "0.85", "--scheduling-policy": "fcfs", "--tensor-parallel-size": "4",
+                "--drain-timeout": "45", "--kv-host-bytes": str(2 * 1024**3),
+                "--kv-redis-url": "$(TESSERA_KV_REDIS_URL)"}
+    for flag, value in expected.items():
+        assert arg_value(args, flag) == value, flag
+    assert "--no-prefix-caching" in args
+    # The password never appears in the pod spec, only the Secret reference.
+    assert c["env"] == [{"name": "TESSERA_KV_REDIS_URL",
+                         "valueFrom": {"secretKeyRef": {"name": "redis-cred", "key": "address"}}}]
+    assert c["image"] == "registry.local/tessera:dev" and c["imagePullPolicy"] == "Always"
+
+
+def test_engine_args_omit_unset_options(isvc):
+    args = container(desired_objects(isvc), "llama-engine")["args"]
+    for flag in ("--max-model-len", "--kv-host-bytes", "--kv-redis-url", "--no-prefix-caching"):
+        assert flag not in args
+    assert "env" not in container(desired_objects(isvc), "llama-engine")
+
+
+def test_engine_args_parse_with_the_engine_cli(full):
+    """The engine's own parser accepts what the operator emits."""
+    import argparse
+
+    from engine_pod.server.main import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(container(full, "llama-decode")["args"])
+    assert (args.role, args.block_size, args.max_num_seqs, args.tensor_parallel_size) == ("decode", 32, 64, 4)
+    assert args.no_prefix_caching and args.kv_host_bytes == 2 * 1024**3
+
+
+def test_gpus_equal_tensor_parallel_size_unless_set(full):
+    prefill = container(full, "llama-prefill")["resources"]
+    assert prefill["limits"] == {"memory": "80Gi", "amd.com/gpu": 4}
+    assert prefill["requests"] == {"cpu": "8", "memory": "64Gi", "amd.com/gpu": 4}
+    assert container(full, "llama-decode")["resources"]["limits"] == {"amd.com/gpu": 2}
+
+
+def test_cpu_only_pool_has_no_gpu(isvc):
+    objects = desired_objects(make_isvc({"pools": {"mixed": {"gpus": 0}}}))
+    assert container(objects, "llama-engine")["resources"] == {}
+    default = container(desired_objects(isvc), "llama-engine")["resources"]
+    assert default["limits"] == {"nvidia.com/gpu": 1}
+
+
+def test_replicas_scheduling_and_drain(full):
+    objects = by_key(full)
+    prefill = objects[("Deployment", "llama-prefill")]["spec"]
+    assert prefill["replicas"] == 2 and objects[("Deployment", "llama-decode")]["spec"]["replicas"] == 3
+    assert objects[("Deployment", "llama-gateway")]["spec"]["replicas"] == 3
+    pod = prefill["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "h100"}
+    assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert "nodeSelector" not in objects[("Deployment", "llama-decode")]["spec"]["template"]["spec"]
+    # preStop sleep (5 s) + drain (45 s) + margin fit in the grace period: no in-flight request is killed.
+    assert pod["terminationGracePeriodSeconds"] == 5 + 45 + 10
+    assert pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert prefill["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def test_probes_use_the_health_endpoints(full):
+    engine = container(full, "llama-decode")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert engine[probe]["grpc"] == {"port": 50061}
+    gw = container(full, "llama-gateway")
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert gw[probe]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+def test_owner_references_labels_and_selectors(full):
+    for obj in full:
+        meta = obj["metadata"]
+        assert meta["namespace"] == "ml"
+        assert meta["ownerReferences"] == [{"apiVersion": "tessera.dev/v1alpha1", "kind": "InferenceService",
+                                            "name": "llama", "uid": "uid-1234", "controller": True}]
+        assert meta["labels"]["tessera.dev/inference-service"] == "llama"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "tessera-operator"
+        if obj["kind"] == "Deployment":
+            selector = obj["spec"]["selector"]["matchLabels"]
+            template_labels = obj["spec"]["template"]["metadata"]["labels"]
+            assert selector.items() <= template_labels.items()
+    services = {o["metadata"]["name"]: o for o in full if o["kind"] == "Service"}
+    deployments = {o["metadata"]["name"]: o for o in full if o["kind"] == "Deployment"}
+    for name, svc in services.items():
+        assert svc["spec"]["selector"] == deployments[name]["spec"]["selector"]["matchLabels"]
+
+
+def test_services_and_ports(full):
+    objects = by_key(full)
+    engine_svc = objects[("Service", "llama-decode")]["spec"]
+    assert engine_svc["clusterIP"] == "None"
+    assert {(p["name"], p["port"]) for p in engine_svc["ports"]} == {("grpc", 50061), ("metrics", 9090)}
+    gw_svc = objects[("Service", "llama-gateway")]["spec"]
+    assert gw_svc["type"] == "LoadBalancer"
+    assert {(p["name"], p["port"]) for p in gw_svc["ports"]} == {("http", 8000), ("grpc", 50051)}
+
+
+def test_gateway_config_file(full):
+    objects = by_key(full)
+    config = yaml.safe_load(objects[("ConfigMap", "llama-gateway")]["data"]["gateway.yaml"])
+    assert config == {
+        "model": {"name": "llama-70b", "path": "/models/llama-8b", "max_model_len": 8192, "block_size": 32},
+        "server": {"host": "0.0.0.0", "http_port": 8000, "grpc_port": 50051},
+        "pods": {"kubernetes": {"namespace": "ml", "port_name": "grpc",
+                                "services": {"prefill": "llama-prefill", "decode": "llama-decode"}}},
+        "tenants_file": "/etc/tessera/tenants/tenants.yaml",
+        "priority_classes": [{"name": "gold", "priority": 0, "weight": 8, "sheddable": False},
+                             {"name": "batch", "priority": 20, "weight": 1, "sheddable": True}],
+        "default_priority_class": "gold",
+        "disaggregation": {"min_uncached_tokens": 1024},
+    }
+    # The gateway's own loader accepts it.
+    loaded = gateway_config_from_dict(config)
+    assert loaded.pods.kubernetes.services == {"prefill": "llama-prefill", "decode": "llama-decode"}
+
+
+def test_gateway_pod_mounts_config_tenants_and_model(full):
+    deployment = by_key(full)[("Deployment", "llama-gateway")]["spec"]["template"]
+    pod = deployment["spec"]
+    c = pod["containers"][0]
+    assert c["args"] == ["gateway", "--config", "/etc/tessera/gateway/gateway.yaml"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts == {"models": "/models", "config": "/etc/tessera/gateway", "tenants": "/etc/tessera/tenants"}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tenants"]["secret"] == {"secretName": "tenants",
+                                            "items": [{"key": "tenants.yaml", "path": "tenants.yaml"}]}
+    assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert pod["serviceAccountName"] == "llama-gateway"
+    assert c["resources"] == {"requests": {"cpu": "2"}}
+
+
+def test_gateway_rbac_is_read_only_endpointslices(full):
+    role = by_key(full)[("Role", "llama-gateway")]
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    binding = by_key(full)[("RoleBinding", "llama-gateway")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-gateway", "namespace": "ml"}]
+
+
+def test_host_path_model():
+    body = make_isvc()
+    body["spec"]["model"] = {"name": "tiny", "hostPath": {"path": "/data/tiny"}}
+    objects = desired_objects(body)
+    c = container(objects, "llama-engine")
+    assert arg_value(c["args"], "--model") == "/models"
+    volume = by_key(objects)[("Deployment", "llama-engine")]["spec"]["template"]["spec"]["volumes"][0]
+    assert volume == {"name": "models", "hostPath": {"path": "/data/tiny", "type": "Directory"}}
+
+
+def test_reconciling_twice_yields_identical_objects(full):
+    body = make_isvc(FULL_SPEC)
+    assert desired_objects(copy.deepcopy(body)) == desired_objects(copy.deepcopy(body)) == full
+
+
+def _changed(before: list[dict], after: list[dict]) -> set[tuple[str, str]]:
+    a, b = by_key(before), by_key(after)
+    assert a.keys() == b.keys()
+    return {k for k in a if a[k] != b[k]}
+
+
+def test_spec_change_touches_only_affected_objects():
+    base = make_isvc(FULL_SPEC)
+    before = desired_objects(base)
+    assert _changed(before, desired_objects(make_isvc(FULL_SPEC, ))) == set()
+    decode_only = copy.deepcopy(base)
+    decode_only["spec"]["pools"]["decode"]["replicas"] = 5
+    assert _changed(before, desired_objects(decode_only)) == {("Deployment", "llama-decode")}
+    gw_type = copy.deepcopy(base)
+    gw_type["spec"]["gateway"]["serviceType"] = "NodePort"
+    assert _changed(before, desired_objects(gw_type)) == {("Service", "llama-gateway")}
+    # A gateway setting changes the ConfigMap and, through the config hash, rolls the gateway pods.
+    threshold = copy.deepcopy(base)
+    threshold["spec"]["disaggregation"]["minUncachedTokens"] = 64
+    assert _changed(before, desired_objects(threshold)) == {("ConfigMap", "llama-gateway"),
+                                                            ("Deployment", "llama-gateway")}
+    # An engine setting reaches every engine pool, and the gateway only where it shares the value.
+    block = copy.deepcopy(base)
+    block["spec"]["engine"]["maxNumSeqs"] = 8
+    assert _changed(before, desired_objects(block)) == {("Deployment", "llama-prefill"),
+                                                        ("Deployment", "llama-decode")}
+
+
+def test_autoscaler_decision_in_status_sets_replicas_within_bounds():
+    body = make_isvc({"mode": "disaggregated",
+                      "pools": {"decode": {"replicas": 1, "minReplicas": 1, "maxReplicas": 3}}})
+    body["status"] = {"pools": {"decode": {"desiredReplicas": 3}, "prefill": {"desiredReplicas": 9}}}
+    objects = by_key(desired_objects(body))
+    assert objects[("Deployment", "llama-decode")]["spec"]["replicas"] == 3
+    assert objects[("Deployment", "llama-prefill")]["spec"]["replicas"] == 4  # clamped to maxReplicas
+    body["spec"]["autoscaling"] = {"enabled": False}
+    assert by_key(desired_objects(body))[("Deployment", "llama-decode")]["spec"]["replicas"] == 1
+
+
+def test_mode_switch_leaves_stale_objects_to_prune(isvc):
+    before = [ObjectKey.of(o) for o in desired_objects(isvc)]
+    after = desired_objects(make_isvc({"mode": "disaggregated"}))
+    assert set(stale_keys(before, after)) == {ObjectKey("apps/v1", "Deployment", "llama-engine"),
+                                              ObjectKey("v1", "Service", "llama-engine")}
+
+
+def test_invalid_spec_raises():
+    with pytest.raises(InvalidInferenceService, match="spec.pools.mixed.maxReplicas"):
+        desired_objects(make_isvc({"pools": {"mixed": {"maxReplicas": 0}}}))

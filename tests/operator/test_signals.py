@@ -1,0 +1,68 @@
+"""Scaling signals from the engine pods' and the gateway's real metric exports."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+
+from engine_pod.core.stats import SchedulerStats
+from engine_pod.server.metrics import EngineMetrics
+from gateway.metrics import GatewayMetrics
+from tessera_operator.signals import PodSample, parse_gateway_queued, parse_pod_metrics, pool_signals
+
+
+def engine_text(metrics: EngineMetrics) -> str:
+    return generate_latest(metrics.registry).decode()
+
+
+def stats(waiting: int, running: int, kv: float) -> SchedulerStats:
+    s = SchedulerStats()
+    s.num_waiting_reqs, s.num_running_reqs, s.kv_cache_usage = waiting, running, kv
+    return s
+
+
+def test_parses_the_engine_pods_export():
+    m = EngineMetrics("llama")
+    m.on_step(stats(waiting=3, running=5, kv=0.6))
+    m.on_first_token(10, arrival=0.0, scheduled=0.1, now=0.5)
+    m.on_first_token(10, arrival=0.0, scheduled=0.1, now=1.5)
+    m.on_tokens(1, since_last=0.02)
+    sample = parse_pod_metrics(engine_text(m))
+    assert (sample.waiting, sample.running, sample.kv_usage) == (3, 5, 0.6)
+    assert (sample.ttft_sum, sample.ttft_count) == (2.0, 2)
+    assert (sample.itl_sum, sample.itl_count) == (pytest.approx(0.02), 1)
+
+
+def test_latency_is_the_mean_over_the_last_interval():
+    m = EngineMetrics("llama")
+    m.on_first_token(1, arrival=0.0, scheduled=None, now=10.0)  # a slow request long ago
+    first = {"pod-a": parse_pod_metrics(engine_text(m))}
+    m.on_first_token(1, arrival=0.0, scheduled=None, now=0.2)
+    m.on_first_token(1, arrival=0.0, scheduled=None, now=0.4)
+    second = {"pod-a": parse_pod_metrics(engine_text(m))}
+    assert pool_signals(second, first).ttft == pytest.approx(0.3)
+    assert pool_signals(second, second).ttft is None  # nothing new: no sample
+
+
+def test_pool_aggregates_and_restarted_pods():
+    current = {"a": PodSample(waiting=4, running=2, kv_usage=0.5, itl_sum=1.0, itl_count=10),
+               "b": PodSample(waiting=0, running=1, kv_usage=0.9, itl_sum=0.2, itl_count=2)}
+    previous = {"a": PodSample(itl_sum=0.5, itl_count=5),
+                "b": PodSample(itl_sum=9.0, itl_count=90)}  # b restarted: counters went down
+    s = pool_signals(current, previous)
+    assert s.queue == 2.0 and s.kvUsage == pytest.approx(0.7) and s.busy
+    assert s.itl == pytest.approx((0.5 + 0.2) / (5 + 2))
+    assert s.value("queue") == 2.0
+
+
+def test_empty_pool_has_no_signal():
+    s = pool_signals({}, {})
+    assert (s.queue, s.ttft, s.itl, s.kvUsage, s.busy) == (None, None, None, None, False)
+
+
+def test_gateway_queue_sums_priority_classes():
+    g = GatewayMetrics()
+    g.queue_length.labels("standard").set(3)
+    g.queue_length.labels("batch").set(2)
+    assert parse_gateway_queued(generate_latest(g.registry).decode()) == 5
+    assert parse_gateway_queued("") == 0
