@@ -16,6 +16,7 @@ import signal
 
 import grpc
 import uvicorn
+import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -42,6 +43,24 @@ def add_parser(sub) -> None:
     p.add_argument("--grpc-port", type=int, default=None, help="override server.grpc_port")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.set_defaults(func=run)
+
+
+def add_api_key_parser(sub) -> None:
+    p = sub.add_parser("api-key", help="make a new tenant API key and its tenants-file entry")
+    p.add_argument("--tenant", required=True, help="tenant name for the printed entry")
+    p.set_defaults(func=_new_api_key)
+
+
+def _new_api_key(args: argparse.Namespace) -> int:
+    import secrets
+
+    from gateway.tenants import hash_api_key
+
+    key = "sk-tessera-" + secrets.token_urlsafe(32)
+    print(f"# API key (give it to the tenant; it is not stored anywhere): {key}")
+    print(yaml.safe_dump({"tenants": [{"name": args.tenant, "api_key_sha256": [hash_api_key(key)]}]},
+                         sort_keys=False), end="")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,13 +1,8 @@
-"""Start a gateway as a child process and wait until it serves (tests,
-benchmarks, the local platform runner)."""
+"""Start a gateway (`tessera gateway`) as a child process and wait until it routes."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -15,10 +10,10 @@ from pathlib import Path
 
 import yaml
 
-from engine_pod.server.process import free_port
+from tessera.child_process import ChildProcess, free_port
 
 
-class GatewayProcess:
+class GatewayProcess(ChildProcess):
     def __init__(self, config: dict, workdir: str | Path, env: dict | None = None,
                  log_path: str | Path | None = None) -> None:
         """`config` is the gateway YAML as a dict; `server` ports are chosen here."""
@@ -30,11 +25,7 @@ class GatewayProcess:
         self.config_path.write_text(yaml.safe_dump(config))
         self.base_url = f"http://127.0.0.1:{self.http_port}"
         self.grpc_address = f"127.0.0.1:{self.grpc_port}"
-        cmd = [sys.executable, "-m", "tessera.cli", "gateway", "--config", str(self.config_path),
-               "--drain-timeout", "5"]
-        self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+        super().__init__(["gateway", "--config", str(self.config_path), "--drain-timeout", "5"], env, log_path)
 
     def health(self) -> dict | None:
         try:
@@ -47,28 +38,9 @@ class GatewayProcess:
         """Until the gateway answers and routes to at least `num_pods` pods."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.proc.returncode} before serving")
+            self.check_alive("gateway")
             h = self.health()
             if h and h.get("pods", 0) >= num_pods:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"gateway not routing to {num_pods} pod(s) after {timeout}s")
-
-    def terminate(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self._log is not subprocess.DEVNULL:
-            self._log.close()
-        return self.proc.returncode
-
-    def __enter__(self) -> "GatewayProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.terminate()

@@ -15,8 +15,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from opentelemetry import trace
-
 from gateway.admission import AdmissionController, Rejected, Ticket
 from gateway.choice import ChoiceState
 from gateway.config import GatewayConfig
@@ -342,6 +340,3 @@ class ResponseStream:
         m.generation_tokens.labels(*labels).inc(usage.completion_tokens)
         m.cached_tokens.labels(*labels).inc(usage.cached_tokens)
         m.e2e.labels(*labels).observe(time.monotonic() - self.arrival)
-        span = trace.get_current_span()
-        span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
-        span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import redis
 
-from engine_pod.server.process import free_port  # noqa: E402 - one home for free ports
+from tessera.child_process import free_port  # noqa: E402 - one home for free ports
 
 
 class RedisServer:

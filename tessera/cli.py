@@ -89,12 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     from engine_pod.server.main import add_parser as add_engine_parser
+    from gateway.main import add_api_key_parser
     from gateway.main import add_parser as add_gateway_parser
     from tessera.bench import add_bench_parser
     from tessera_operator.main import add_parser as add_operator_parser
 
     add_engine_parser(sub)
     add_gateway_parser(sub)
+    add_api_key_parser(sub)
     add_bench_parser(sub)
     add_operator_parser(sub)
     return parser

@@ -11,7 +11,7 @@ from opentelemetry.proto.collector.trace.v1 import (
     trace_service_pb2_grpc,
 )
 
-from engine_pod.server.process import free_port
+from tessera.child_process import free_port
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):

@@ -96,3 +96,22 @@ def test_argparse_errors_exit_2():
     proc = _tessera("generate", "--model", "x", "--max-tokens", "many")
     assert proc.returncode == 2
     assert "--max-tokens" in proc.stderr
+
+
+def test_api_key_prints_a_key_and_the_entry_that_authenticates_it():
+    import yaml
+
+    from gateway.tenants import TenantRegistry
+
+    proc = _tessera("api-key", "--tenant", "acme")
+    assert proc.returncode == 0, proc.stderr
+    key = proc.stdout.splitlines()[0].rsplit(" ", 1)[1]
+    registry = TenantRegistry.from_dict(yaml.safe_load(proc.stdout))
+    assert registry.authenticate(f"Bearer {key}").name == "acme"
+
+
+def test_gateway_refuses_a_bad_config_with_a_clear_message(tmp_path):
+    (tmp_path / "gateway.yaml").write_text("model: {name: m, path: /nowhere}\npods: {static: [{address: nohost}]}\n")
+    proc = _tessera("gateway", "--config", str(tmp_path / "gateway.yaml"))
+    assert proc.returncode == 2
+    assert "pods.static: address 'nohost' is not host:port" in proc.stderr

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Coroutine
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
@@ -33,6 +34,7 @@ from engine_pod.request import Request
 from engine_pod.sampling_params import SamplingParams
 from engine_pod.server.async_engine import AsyncEngine, StreamEnd
 from engine_pod.server.grpc_service import EngineService
+from engine_pod.server.cpu_share import cpu_share
 from engine_pod.server.metrics import EngineMetrics, KVStoreCollector
 from tessera.tracing import configure_tracing
 from tessera.text import load_eos_token_ids
@@ -56,6 +58,8 @@ def add_parser(sub) -> None:
                    help="beyond this many queued requests, Generate answers RESOURCE_EXHAUSTED")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--served-model-name", default=None, help="model label on metrics (default: the folder name)")
+    p.add_argument("--cpu-threads", type=int, default=0,
+                   help="torch threads on CPU (0: the pod's CPU share: affinity capped by the cgroup quota)")
     p.set_defaults(func=serve)
 
 
@@ -68,6 +72,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("max_waiting_requests must be >= 1")
     if args.drain_timeout < 0:
         raise ValueError("drain_timeout must be >= 0")
+    if args.cpu_threads < 0:
+        raise ValueError("cpu_threads must be >= 0 (0: the pod's CPU share)")
 
 
 class Frontend:
@@ -172,6 +178,8 @@ async def _lifecycle(frontend: Frontend, engine: AsyncEngine, processor: Process
 def serve(args: argparse.Namespace) -> int:
     _validate(args)
     config = create_engine_config(args.model, **engine_kwargs(args))
+    if config.device.type == "cpu":
+        torch.set_num_threads(args.cpu_threads or cpu_share())
     model_name = args.served_model_name or config.model.path.name
     processor = Processor(config, tokenizer=None, eos_token_ids=load_eos_token_ids(config.model.path))
     metrics = EngineMetrics(model_name)

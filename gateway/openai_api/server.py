@@ -6,6 +6,7 @@ The OpenAPI document is served at /openapi.json.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -29,6 +30,8 @@ from gateway.request import GenerationRequest
 from gateway.serving import Gateway, ResponseStream
 
 logger = logging.getLogger(__name__)
+# How often a non-streamed request checks that its client is still there.
+_DISCONNECT_POLL_S = 0.25
 
 
 def error_response(e: GatewayError) -> JSONResponse:
@@ -64,6 +67,10 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def _on_gateway_error(request: Request, exc: GatewayError):
         return error_response(exc)
 
+    @app.exception_handler(ClientGone)
+    async def _on_client_gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
     @app.exception_handler(Exception)
     async def _on_unexpected(request: Request, exc: Exception):
         logger.exception("unhandled error on %s", request.url.path)
@@ -72,12 +79,12 @@ def build_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         gen = _completion_request(body)
-        stream = await gateway.open_stream(gen, request.headers.get("authorization"), "completions")
+        stream = await _open(gateway, gen, request, "completions")
         want_logprobs = body.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(_completion_chunks(stream, body.model, want_logprobs, include_usage))
-        choices = await _collect(stream)
+        choices = await _collect(stream, request)
         return {
             "id": f"cmpl-{stream.id}", "object": "text_completion", "created": stream.created, "model": body.model,
             "choices": [completion_choice(c, want_logprobs) for c in choices], "usage": usage_json(stream.usage),
@@ -86,11 +93,11 @@ def build_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         gen = _chat_request(body)
-        stream = await gateway.open_stream(gen, request.headers.get("authorization"), "chat")
+        stream = await _open(gateway, gen, request, "chat")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(_chat_chunks(stream, body.model, body.logprobs, include_usage))
-        choices = await _collect(stream)
+        choices = await _collect(stream, request)
         return {
             "id": f"chatcmpl-{stream.id}", "object": "chat.completion", "created": stream.created,
             "model": body.model, "choices": [chat_choice(c, body.logprobs) for c in choices],
@@ -163,9 +170,36 @@ def _chat_request(body: ChatCompletionRequest) -> GenerationRequest:
                              priority_class=body.priority_class, user=body.user)
 
 
-async def _collect(stream: ResponseStream):
+class ClientGone(Exception):
+    """The client of a non-streamed request disconnected before the answer."""
+
+
+async def _unless_disconnected(request: Request, awaitable):
+    """Await, but give up (cancelling the work, which aborts the request on
+    its pods) if the client disconnects first: until a response starts,
+    nothing else would notice."""
+    task = asyncio.ensure_future(awaitable)
     try:
-        return await stream.collect()
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def _open(gateway: Gateway, gen: GenerationRequest, request: Request, endpoint: str) -> ResponseStream:
+    return await _unless_disconnected(
+        request, gateway.open_stream(gen, request.headers.get("authorization"), endpoint))
+
+
+async def _collect(stream: ResponseStream, request: Request):
+    try:
+        return await _unless_disconnected(request, stream.collect())
     except StreamBroken as e:
         raise unavailable(f"the engine pod failed mid-request: {e}", "engine_failed") from None
 

@@ -8,12 +8,14 @@ import argparse
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="run a benchmark")
     kinds = bench.add_subparsers(dest="bench", required=True)
-    from tessera.bench import grpc_stream, kv_store, prefix_cache, throughput
+    from tessera.bench import gateway_overhead, grpc_stream, kv_store, prefix_cache, routing, throughput
 
     throughput.add_parser(kinds)
     prefix_cache.add_parser(kinds)
     grpc_stream.add_parser(kinds)
     kv_store.add_parser(kinds)
+    routing.add_parser(kinds)
+    gateway_overhead.add_parser(kinds)
     bench.set_defaults(func=run_bench)
 
 

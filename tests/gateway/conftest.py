@@ -14,7 +14,10 @@ from gateway.tenants import hash_api_key
 # float64 so greedy tokens equal the offline engine's whatever the batch
 # composition (see tests/engine/test_hf_parity.py).
 MAX_MODEL_LEN = 256
-POD_ARGS = ["--dtype", "float64", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(32 << 20)]
+# One torch thread per pod: several pods share this machine's cores, and
+# oversubscribed OpenMP threads slow every pod down many times over.
+POD_ARGS = ["--dtype", "float64", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(32 << 20),
+            "--cpu-threads", "1"]
 MODEL_NAME = "tiny"
 
 # API keys of the test tenants (the file stores only their hashes).
@@ -22,6 +25,7 @@ KEYS = {
     "alice": "sk-alice-0123456789",
     "bob": "sk-bob-0123456789",
     "rpm": "sk-rpm-0123456789",
+    "rpm-grpc": "sk-rpm-grpc-0123456789",
     "tpm": "sk-tpm-0123456789",
     "grpc": "sk-grpc-0123456789",
     "fuzz": "sk-fuzz-0123456789",
@@ -30,6 +34,7 @@ TENANTS = [
     {"name": "alice"},
     {"name": "bob"},
     {"name": "rpm", "requests_per_minute": 2},
+    {"name": "rpm-grpc", "requests_per_minute": 2},
     {"name": "tpm", "tokens_per_minute": 60},
     {"name": "grpc"},
     {"name": "fuzz"},

@@ -3,6 +3,8 @@ engine pods as real processes on loopback."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -221,3 +223,33 @@ def test_openapi_health_and_metrics(platform):
     assert 'tessera:gateway_requests_total{endpoint="completions",outcome="ok",priority_class="standard",' \
            'tenant="alice"}' in metrics
     assert "tessera:gateway_time_to_first_token_seconds_bucket" in metrics
+
+
+def _aborted(pods) -> float:
+    total = 0.0
+    for pod in pods:
+        text = httpx.get(f"http://127.0.0.1:{pod.metrics_port}/metrics").text
+        total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("tessera:request_success_total{") and 'finished_reason="abort"' in line)
+    return total
+
+
+def test_client_disconnect_aborts_the_engine_request(platform, engine_pods):
+    before = _aborted(engine_pods)
+    # 8 long choices: far more work than fits in the client's 0.3 s of patience.
+    body = {"model": MODEL_NAME, "prompt": "a long answer please", "max_tokens": 230, "n": 8, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+    # Not streamed: the client gives up waiting for the answer.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(platform.base_url + "/v1/completions", json=body, headers=headers,
+                   timeout=httpx.Timeout(5.0, read=0.3))
+    # Streamed: the client reads a little and hangs up.
+    with httpx.stream("POST", platform.base_url + "/v1/completions", json={**body, "stream": True},
+                      headers=headers, timeout=10) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _aborted(engine_pods) < before + 16:
+        time.sleep(0.05)
+    assert _aborted(engine_pods) == before + 16

@@ -22,11 +22,11 @@ CLASSES = [
     {"name": "low", "priority": 10, "weight": 1},
     {"name": "batch", "priority": 20, "weight": 1, "sheddable": True},
 ]
-PER_CLASS = 24
+PER_CLASS = 32
 
 
 async def _ttft(http: httpx.AsyncClient, base_url: str, pclass: str, i: int) -> dict:
-    body = {"model": MODEL_NAME, "prompt": f"{pclass} request number {i}", "max_tokens": 12, "temperature": 0,
+    body = {"model": MODEL_NAME, "prompt": f"{pclass} request number {i}", "max_tokens": 32, "temperature": 0,
             "ignore_eos": True, "stream": True, "priority_class": pclass}
     start = time.monotonic()
     async with http.stream("POST", base_url + "/v1/completions", json=body) as r:
@@ -60,12 +60,14 @@ def test_high_class_overtakes_low_and_sheddable_is_refused_first(tiny_llama, tmp
 
             async def run():
                 async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as http:
-                    # Low first: it fills the pods and the queue before high arrives.
-                    low = [asyncio.create_task(_ttft(http, gw.base_url, "low", i)) for i in range(PER_CLASS)]
-                    await asyncio.sleep(0.5)
-                    high = [asyncio.create_task(_ttft(http, gw.base_url, "high", i)) for i in range(PER_CLASS)]
-                    batch = [asyncio.create_task(_ttft(http, gw.base_url, "batch", i)) for i in range(8)]
-                    return await asyncio.gather(*low, *high, *batch)
+                    # Both classes arrive together, far more than the pods run at once.
+                    tasks = []
+                    for i in range(PER_CLASS):
+                        tasks.append(asyncio.create_task(_ttft(http, gw.base_url, "low", i)))
+                        tasks.append(asyncio.create_task(_ttft(http, gw.base_url, "high", i)))
+                    await asyncio.sleep(0.3)  # saturated by now
+                    tasks += [asyncio.create_task(_ttft(http, gw.base_url, "batch", i)) for i in range(8)]
+                    return await asyncio.gather(*tasks)
 
             results = asyncio.run(run())
             shed = _metric(gw, "tessera:gateway_rejections_total", reason="shed")

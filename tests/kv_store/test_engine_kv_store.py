@@ -234,7 +234,7 @@ def test_prefix_evicted_from_the_device_comes_back_from_the_host_tier(tiny_llama
 
 
 def test_pod_starts_and_serves_with_redis_unreachable(tiny_llama, tmp_path, recomputed):
-    from engine_pod.server.process import free_port
+    from tessera.child_process import free_port
 
     dead = f"redis://127.0.0.1:{free_port()}/0"
     prompts = _prompts(2, seed=8)

@@ -1,0 +1,50 @@
+"""A `tessera` component run as a child process: tests, benchmarks and the
+local platform runner start engine pods and gateways this way, with the
+same commands a Kubernetes pod runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ChildProcess:
+    def __init__(self, args: list[str], env: dict | None = None, log_path: str | Path | None = None) -> None:
+        """Runs `python -m tessera.cli ARGS`, its output to `log_path` (or nowhere)."""
+        self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen([sys.executable, "-m", "tessera.cli", *args], env={**os.environ, **(env or {})},
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+
+    def check_alive(self, what: str) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {self.proc.returncode} before serving")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM (the component drains), then wait for the exit code,
+        killing it after the timeout."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.terminate()

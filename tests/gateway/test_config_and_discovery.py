@@ -1,0 +1,72 @@
+"""The gateway's config file and pod discovery (pure functions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import GatewayConfigError, gateway_config_from_dict, load_gateway_config
+from gateway.pods.discovery import addresses_from_slices, static_members
+
+BASE = {"model": {"name": "m", "path": "/models/m"}, "pods": {"static": [{"address": "10.0.0.1:50061"}]}}
+
+
+def test_defaults_and_nested_overrides():
+    c = gateway_config_from_dict({**BASE, "router": {"weights": {"prefix": 2}}, "admission": {"max_kv_usage": 0.8}})
+    assert c.router.weights.prefix == 2.0 and c.router.weights.waiting == 0.5
+    assert c.admission.max_kv_usage == 0.8 and c.admission.max_waiting_per_pod == 8
+    assert c.server.http_port == 8000 and c.server.grpc_port == 50051
+    assert c.model.block_size == 16 and c.disaggregation.min_uncached_tokens == 256
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model": {"name": "m", "path": "/p", "blocksize": 16}}, "unknown field(s) ['blocksize']"),
+    ({"router": {"weights": {"prefix": -1}}}, "router.weights must be >= 0"),
+    ({"router": {"weights": {"prefix": "high"}}}, "router.weights.prefix: expected float"),
+    ({"admission": {"max_kv_usage": 1.5}}, "admission.max_kv_usage must be in (0, 1]"),
+    ({"pods": {"static": [{"address": "nohost", "role": "mixed"}]}}, "is not host:port"),
+    ({"pods": {"static": [{"address": "h:1", "role": "prefil"}]}}, "role 'prefil' is not one of"),
+    ({"pods": {}}, "give a static list or kubernetes discovery"),
+    ({"model": {"name": "m", "path": "/p", "block_size": 0}}, "model.block_size must be > 0"),
+    ({"server": {"http_port": True}}, "server.http_port: expected int"),
+])
+def test_bad_configs_name_the_field(change, message):
+    with pytest.raises(GatewayConfigError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        gateway_config_from_dict({**BASE, **change})
+
+
+def test_load_yaml_file(tmp_path):
+    path = tmp_path / "gateway.yaml"
+    path.write_text("model: {name: m, path: /p}\npods:\n  kubernetes:\n    namespace: ml\n"
+                    "    services: {prefill: s-prefill, decode: s-decode}\n")
+    c = load_gateway_config(path)
+    assert c.pods.kubernetes.services == {"prefill": "s-prefill", "decode": "s-decode"}
+    (tmp_path / "bad.yaml").write_text("model: [unclosed")
+    with pytest.raises(GatewayConfigError, match="not valid YAML"):
+        load_gateway_config(tmp_path / "bad.yaml")
+    with pytest.raises(GatewayConfigError, match="cannot read"):
+        load_gateway_config(tmp_path / "missing.yaml")
+
+
+def test_static_members_by_role():
+    c = gateway_config_from_dict({**BASE, "pods": {"static": [
+        {"address": "a:1", "role": "prefill"}, {"address": "b:1", "role": "decode"}, {"address": "c:1"}]}})
+    assert static_members(c.pods) == {"prefill": ["a:1"], "decode": ["b:1"], "mixed": ["c:1"]}
+
+
+def test_addresses_from_endpoint_slices_keep_ready_endpoints_on_the_named_port():
+    slices = [
+        {"ports": [{"name": "metrics", "port": 9090}, {"name": "grpc", "port": 50061}],
+         "endpoints": [
+             {"addresses": ["10.0.0.2"], "conditions": {"ready": True}},
+             {"addresses": ["10.0.0.1"]},  # no conditions: ready
+             {"addresses": ["10.0.0.3"], "conditions": {"ready": False}},
+             {"addresses": ["10.0.0.4"], "conditions": {"ready": True, "terminating": True}},
+         ]},
+        {"ports": [{"name": "grpc", "port": 50061}],
+         "endpoints": [{"addresses": ["fd00::5"], "conditions": {"ready": True}},
+                       {"addresses": ["10.0.0.2"], "conditions": {"ready": True}}]},
+        {"ports": [{"name": "other", "port": 1}], "endpoints": [{"addresses": ["10.9.9.9"]}]},
+        {"ports": None, "endpoints": None},
+    ]
+    assert addresses_from_slices(slices, "grpc") == ["10.0.0.1:50061", "10.0.0.2:50061", "[fd00::5]:50061"]
