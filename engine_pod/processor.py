@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine_pod.config import EngineConfig
 from engine_pod.sampling_params import SamplingParams
+from tessera.text import encode_prompt
 
 # A prompt is text, or vLLM's token form {"prompt_token_ids": [...]}.
 PromptType = Union[str, dict[str, Any]]
@@ -33,7 +34,7 @@ class Processor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            ids = self.tokenizer.encode(prompt)
+            ids = encode_prompt(self.tokenizer, prompt)
             text: str | None = prompt
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids, text = prompt["prompt_token_ids"], prompt.get("prompt")

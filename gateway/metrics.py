@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """The labelled children one (tenant, class) pair updates per request,
+    looked up once: `labels()` costs more than the update itself."""
+
+    ttft: object
+    e2e: object
+    prompt_tokens: object
+    generation_tokens: object
+    cached_tokens: object
 
 
 class GatewayMetrics:
@@ -35,3 +49,15 @@ class GatewayMetrics:
                                   ["priority_class"], registry=r)
         self.pods_routable = Gauge("tessera:gateway_pods_routable", "Engine pods taking requests", ["role"],
                                    registry=r)
+
+        self._per_request: dict[tuple[str, str], RequestMetrics] = {}
+
+    def for_request(self, tenant: str, priority_class: str) -> RequestMetrics:
+        key = (tenant, priority_class)
+        found = self._per_request.get(key)
+        if found is None:
+            found = self._per_request[key] = RequestMetrics(
+                self.ttft.labels(*key), self.e2e.labels(*key), self.prompt_tokens.labels(*key),
+                self.generation_tokens.labels(*key), self.cached_tokens.labels(*key),
+            )
+        return found

@@ -14,7 +14,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from gateway.config import ModelConfig
-from tessera.text import load_eos_token_ids, load_tokenizer
+from tessera.text import encode_prompt, load_eos_token_ids, load_tokenizer
 
 
 class PromptError(ValueError):
@@ -33,6 +33,11 @@ class ServedModel:
     max_model_len: int
     block_size: int
     eos_token_ids: frozenset[int]
+    # len(tokenizer) walks the added tokens each call: computed once.
+    vocab_size: int = 0
+
+    def __post_init__(self) -> None:
+        self.vocab_size = self.vocab_size or len(self.tokenizer)
 
     @classmethod
     def load(cls, config: ModelConfig) -> "ServedModel":
@@ -41,12 +46,8 @@ class ServedModel:
         eos = frozenset(load_eos_token_ids(config.path, tokenizer))
         return cls(config.name, tokenizer, max_len, config.block_size, eos)
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokenizer)
-
     def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt)
+        return encode_prompt(self.tokenizer, prompt)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.tokenizer.chat_template:
@@ -61,7 +62,7 @@ class ServedModel:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The template writes the special tokens (BOS) itself.
         text = self.render_chat(messages, add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode_prompt(self.tokenizer, text, add_special_tokens=False)
 
     def check_token_ids(self, ids: list[int]) -> None:
         if not ids:

@@ -66,6 +66,7 @@ class Gateway:
             max_queue_len=config.admission.max_queue_len, queue_timeout_s=config.admission.queue_timeout_s
         )
         self.router = Router(self.pool, config.router, config.admission, model.block_size)
+        self._queue_gauge_dirty = False
 
     def _on_pool_change(self) -> None:
         # Until a pod has reported, capacity is unknown: do not hold requests back.
@@ -146,9 +147,13 @@ class Gateway:
                     raise unavailable(e.message, e.reason, e.retry_after) from None
                 raise rate_limited(e.message, e.reason, e.retry_after) from None
             finally:
-                self._update_queue_gauge()
+                if self.admission.queue_len or self._queue_gauge_dirty:
+                    self._update_queue_gauge()
 
     def _update_queue_gauge(self) -> None:
+        # Skipped while the queue stays empty (the common case): one update
+        # after it drains sets the gauges back to 0.
+        self._queue_gauge_dirty = self.admission.queue_len > 0
         by_class = self.admission.queue_len_by_class()
         for pclass in self.classes:
             self.metrics.queue_length.labels(pclass.name).set(by_class.get(pclass.name, 0))
@@ -204,6 +209,9 @@ class ResponseStream:
         self.created = int(time.time())
         self.choices = [ChoiceState(i, gateway.model.tokenizer, prompt_ids, req.options)
                         for i in range(req.options.n)]
+        # One choice without P/D (the common case) is read inline; otherwise
+        # each choice (and the prefill) runs as a task feeding the queue.
+        self._single: AsyncIterator[ChoiceUpdate] | None = None
         self._updates: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._first: ChoiceUpdate | None = None
@@ -232,13 +240,18 @@ class ResponseStream:
                 prefill(g.pool, plan.prefill_candidates, request, metadata, self._on_attempt("prefill"))
             )
             self._tasks.append(prefill_task)
-        for choice in self.choices:
-            self._tasks.append(asyncio.create_task(self._run_choice(choice, plan, metadata, prefill_task)))
+        if len(self.choices) == 1 and prefill_task is None:
+            self._single = self._choice_updates(self.choices[0], plan, metadata, None)
+        else:
+            for choice in self.choices:
+                updates = self._choice_updates(choice, plan, metadata, prefill_task)
+                self._tasks.append(asyncio.create_task(self._pump(updates)))
         # Wait for the first output (or the refusal) before the front end answers.
-        first = await self._updates.get()
-        if isinstance(first, BaseException):
-            raise first
-        self._first = first
+        try:
+            self._first = await self._next_update()
+        except BaseException:
+            self.outcome = "error"
+            raise
 
     def _engine_request(self, index: int, plan: _Plan, consume: bool = False) -> epb.GenerateRequest:
         req = epb.GenerateRequest(
@@ -260,27 +273,45 @@ class ResponseStream:
                 self.gateway.metrics.retries.inc()
         return record
 
-    async def _run_choice(self, choice: ChoiceState, plan: _Plan, metadata, prefill_task) -> None:
-        g = self.gateway
+    async def _choice_updates(self, choice: ChoiceState, plan: _Plan, metadata,
+                              prefill_task) -> AsyncIterator[ChoiceUpdate]:
+        """One choice's updates until it finishes; raises GatewayError or
+        StreamBroken when its engine calls fail."""
+        consume = False
+        if prefill_task is not None:
+            consume = await asyncio.shield(prefill_task)
+        request = self._engine_request(choice.index, plan, consume)
+        kind = "decode" if prefill_task is not None else "route"
+        responses = stream_choice(self.gateway.pool, plan.candidates, request, metadata, self._on_attempt(kind))
         try:
-            consume = False
-            if prefill_task is not None:
-                consume = await asyncio.shield(prefill_task)
-            request = self._engine_request(choice.index, plan, consume)
-            kind = "decode" if prefill_task is not None else "route"
-            async for response in stream_choice(g.pool, plan.candidates, request, metadata, self._on_attempt(kind)):
+            async for response in responses:
                 update = choice.on_response(response)
                 self.ticket.charge_output_tokens(len(response.token_ids))
-                await self._updates.put(update)
+                yield update
                 if choice.finished:
                     return
-        except asyncio.CancelledError:
+        except (GatewayError, StreamBroken, asyncio.CancelledError, GeneratorExit):
             raise
-        except (GatewayError, StreamBroken) as e:
-            await self._updates.put(e)
         except Exception as e:  # a bug: end this request with 500, keep the gateway up
             logger.exception("request %s choice %d failed", self.id, choice.index)
-            await self._updates.put(internal(f"internal error: {type(e).__name__}"))
+            raise internal(f"internal error: {type(e).__name__}") from e
+        finally:
+            await responses.aclose()
+
+    async def _pump(self, updates: AsyncIterator[ChoiceUpdate]) -> None:
+        try:
+            async for update in updates:
+                await self._updates.put(update)
+        except (GatewayError, StreamBroken) as e:
+            await self._updates.put(e)
+
+    async def _next_update(self) -> ChoiceUpdate:
+        if self._single is not None:
+            return await self._single.__anext__()
+        item = await self._updates.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     async def __aiter__(self) -> AsyncIterator[ChoiceUpdate]:
         """Updates of every choice as they come; raises StreamBroken (or a
@@ -291,12 +322,12 @@ class ResponseStream:
                 self._on_update(first)
                 yield first
             while self._remaining > 0:
-                item = await self._updates.get()
-                if isinstance(item, BaseException):
-                    self.outcome = "error"
-                    raise item
+                item = await self._next_update()
                 self._on_update(item)
                 yield item
+        except (GatewayError, StreamBroken):
+            self.outcome = "error"
+            raise
         except (asyncio.CancelledError, GeneratorExit):
             self.outcome = "cancelled"
             raise
@@ -306,7 +337,7 @@ class ResponseStream:
     def _on_update(self, update: ChoiceUpdate) -> None:
         if self._first_token_time is None and update.token_ids:
             self._first_token_time = time.monotonic()
-            self.gateway.metrics.ttft.labels(*self.labels).observe(self._first_token_time - self.arrival)
+            self.gateway.metrics.for_request(*self.labels).ttft.observe(self._first_token_time - self.arrival)
         if update.finish_reason is not None:
             self._remaining -= 1
 
@@ -327,6 +358,8 @@ class ResponseStream:
         if self._closed:
             return
         self._closed = True
+        if self._single is not None:
+            await self._single.aclose()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -335,8 +368,8 @@ class ResponseStream:
         if self._remaining > 0 and self.outcome == "ok":
             self.outcome = "cancelled"
         m.requests.labels(*labels, self.endpoint, self.outcome).inc()
-        usage = self.usage
-        m.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
-        m.generation_tokens.labels(*labels).inc(usage.completion_tokens)
-        m.cached_tokens.labels(*labels).inc(usage.cached_tokens)
-        m.e2e.labels(*labels).observe(time.monotonic() - self.arrival)
+        usage, per = self.usage, m.for_request(*labels)
+        per.prompt_tokens.inc(usage.prompt_tokens)
+        per.generation_tokens.inc(usage.completion_tokens)
+        per.cached_tokens.inc(usage.cached_tokens)
+        per.e2e.observe(time.monotonic() - self.arrival)

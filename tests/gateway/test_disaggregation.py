@@ -108,15 +108,15 @@ def test_a_cancelled_stream_is_aborted_on_every_pod(pd_platform):
     aborted_before = _aborted(decode)
     prompt = " ".join(f"cancel{i} me early please" for i in range(20))
     with httpx.stream("POST", gw.base_url + "/v1/completions", timeout=60, json={
-            "model": MODEL_NAME, "prompt": prompt, "max_tokens": 100, "stream": True, "ignore_eos": True}) as r:
+            "model": MODEL_NAME, "prompt": prompt, "max_tokens": 120, "n": 8, "stream": True, "ignore_eos": True}) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         for _ in range(3):
             next(line for line in lines if line.startswith("data:"))
-        assert _running(decode) == 1
+        assert _running(decode) == 8
     # The client went away: the decode pod's request is aborted, nothing stays behind.
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and _running(decode) + _running(prefill) > 0:
         time.sleep(0.05)
     assert _running(decode) == 0 and _running(prefill) == 0
-    assert _aborted(decode) == aborted_before + 1
+    assert _aborted(decode) == aborted_before + 8

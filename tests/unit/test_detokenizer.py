@@ -206,3 +206,17 @@ def test_decode_token(tok):
     detok = IncrementalDetokenizer(tok, [])
     assert [detok.decode_token(t) for t in ids] == [tok.decode([t]) for t in ids]
     assert detok.decode_token(EOS) == "<|end_of_text|>"
+
+
+def test_encode_prompt_equals_the_tokenizers_encode(tiny_llama, tiny_qwen2):
+    from tessera.fixtures.tokenizer import corpus_lines
+    from tessera.text import encode_prompt, load_tokenizer
+
+    texts = ["", " ", "Hello, world!", "  leading spaces", "émigré naïve 東京 🚀", "line\nbreak\ttab",
+             "<|reserved_5|> special in text", "def f(x):\n    return x ** 2\n"]
+    texts += corpus_lines()[:200]
+    for model in (tiny_llama, tiny_qwen2):
+        tok = load_tokenizer(model)
+        for text in texts:
+            assert encode_prompt(tok, text) == tok.encode(text)
+            assert encode_prompt(tok, text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
