@@ -105,9 +105,11 @@ class Clients:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
             async for line in resp.content:
+                # An error event is `{"error": ...}`; a chunk whose text is
+                # "error" also holds the bytes `"error"`, so look at the key.
+                if line.startswith(b'data: {"error"'):
+                    raise RuntimeError(line[:200].decode())
                 if first is None and line.startswith(b"data: {"):
-                    if b'"error"' in line:
-                        raise RuntimeError(line[:200].decode())
                     first = time.perf_counter()
         return Timing(first - start, time.perf_counter() - start)
 

@@ -29,6 +29,8 @@ KEYS = {
     "tpm": "sk-tpm-0123456789",
     "grpc": "sk-grpc-0123456789",
     "fuzz": "sk-fuzz-0123456789",
+    "docs-a": "sk-docs-a-0123456789",
+    "docs-b": "sk-docs-b-0123456789",
 }
 TENANTS = [
     {"name": "alice"},
@@ -38,6 +40,9 @@ TENANTS = [
     {"name": "tpm", "tokens_per_minute": 60},
     {"name": "grpc"},
     {"name": "fuzz"},
+    # Two tenants that opted into one shared prefix-cache salt.
+    {"name": "docs-a", "cache_salt_group": "docs"},
+    {"name": "docs-b", "cache_salt_group": "docs"},
 ]
 
 

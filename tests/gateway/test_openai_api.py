@@ -143,6 +143,14 @@ def test_tenants_do_not_share_cached_prefixes(platform):
     assert b.choices[0].text == a.choices[0].text
 
 
+def test_tenants_of_one_salt_group_share_cached_prefixes(platform):
+    prompt = " ".join(f"groupdoc{i}" for i in range(50))
+    a = client(platform, "docs-a").completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
+    b = client(platform, "docs-b").completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
+    assert a.usage.prompt_tokens_details.cached_tokens == 0
+    assert b.usage.prompt_tokens_details.cached_tokens == (a.usage.prompt_tokens - 1) // 16 * 16
+
+
 def test_models_lists_the_served_model(platform):
     models = client(platform).models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
