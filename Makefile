@@ -20,13 +20,10 @@ venv: $(STAMP)
 $(TINY)/model.safetensors: | $(STAMP)
 	$(VENV)/bin/tessera make-model --preset tiny $(TINY)
 
-# The main job on its embedded default: generate with the tiny checkpoint.
+# The main job on its embedded default: the whole platform (gateway + two engine
+# pods) on this machine, serving the tiny checkpoint on :8000 (REST) and :50051 (gRPC).
 run: $(STAMP) $(TINY)/model.safetensors
-	$(VENV)/bin/tessera generate --model $(TINY) --max-tokens 24 \
-		--prompt "The quick brown fox" \
-		--prompt "Paged attention stores the KV cache in" \
-		--prompt "User: How do I bake bread? Assistant:" \
-		--prompt "def fibonacci(n):"
+	$(VENV)/bin/tessera up -f examples/local.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway.main import add_api_key_parser
     from gateway.main import add_parser as add_gateway_parser
     from tessera.bench import add_bench_parser
+    from tessera.up import add_parser as add_up_parser
     from tessera_operator.main import add_parser as add_operator_parser
 
     add_engine_parser(sub)
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_api_key_parser(sub)
     add_bench_parser(sub)
     add_operator_parser(sub)
+    add_up_parser(sub)
     return parser
 
 

@@ -10,7 +10,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tessera.child_process import ChildProcess, free_port
 
-__all__ = ["EnginePodProcess", "free_port"]
+__all__ = ["EnginePodProcess", "free_port", "health_status"]
+
+
+def health_status(address: str, timeout: float = 1.0) -> int | None:
+    """An engine pod's gRPC health status, or None if it does not answer."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return None
+    return resp.status
 
 
 class EnginePodProcess(ChildProcess):
@@ -24,13 +34,7 @@ class EnginePodProcess(ChildProcess):
                           "--metrics-port", str(self.metrics_port), *extra_args], env, log_path)
 
     def health(self, timeout: float = 1.0) -> int | None:
-        """The health status, or None if the pod does not answer."""
-        with grpc.insecure_channel(self.address) as channel:
-            try:
-                resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-            except grpc.RpcError:
-                return None
-        return resp.status
+        return health_status(self.address, timeout)
 
     def wait_serving(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

@@ -1,0 +1,129 @@
+"""From an InferenceService to the local processes that serve it (pure).
+
+The same resource `kubectl apply` takes runs here: validated with the CRD's
+schema (the operator's own function, so the errors are the same), with the
+engine command lines and the gateway config the operator would render,
+changed only where a machine differs from a cluster: loopback ports instead
+of Services, a local folder instead of the PVC, cores split between pods.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tessera_operator import engine_pool, gateway, names
+from tessera_operator.names import Owner
+from tessera_operator.validation import validate_inference_service
+
+
+@dataclass(frozen=True)
+class EngineChild:
+    name: str            # e.g. "decode-0"
+    role: str
+    grpc_port: int
+    metrics_port: int
+    args: list[str]      # `tessera ...` arguments
+    cpus: frozenset[int] | None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+
+@dataclass
+class LocalPlan:
+    name: str
+    model_name: str
+    engines: list[EngineChild]
+    gateway_config: dict
+    needs_redis: bool
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    models_dir: Path = Path("models")      # where a PVC's `path` is looked up
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    tenants_file: str | None = None
+    redis_url: str | None = None
+    cpus: tuple[int, ...] = ()              # default: this process's CPU affinity
+    pin_cpus: bool = True
+
+
+def local_model_path(model: dict, models_dir: Path) -> Path:
+    if "hostPath" in model:
+        return Path(model["hostPath"]["path"])
+    return (models_dir / model["pvc"].get("path", "")).resolve()
+
+
+def split_cpus(cpus: tuple[int, ...], count: int) -> list[frozenset[int]]:
+    """Disjoint CPU sets, one per engine, as even as possible; when there are
+    more engines than CPUs they share round-robin."""
+    if count <= len(cpus):
+        size = len(cpus) // count
+        return [frozenset(cpus[i * size:(i + 1) * size]) for i in range(count)]
+    return [frozenset({cpus[i % len(cpus)]}) for i in range(count)]
+
+
+def build_plan(resource: dict, options: LocalOptions, free_port: Callable[[], int]) -> LocalPlan:
+    """`free_port` gives a free loopback port (two per engine: gRPC, metrics)."""
+    obj = validate_inference_service(resource)
+    spec, owner = obj["spec"], Owner.of(obj)
+    model_path = local_model_path(spec["model"], options.models_dir)
+    if not (model_path / "config.json").is_file():
+        raise ValueError(f"spec.model: no checkpoint at {model_path} (config.json missing); "
+                         "build one with `tessera make-model` or pass --models-dir")
+    roles = names.active_pools(spec["mode"])
+    replicas = [(role, i) for role in roles for i in range(spec["pools"][role]["replicas"])]
+    cpus = options.cpus or tuple(sorted(os.sched_getaffinity(0)))
+    cpu_sets = split_cpus(cpus, len(replicas)) if options.pin_cpus else [None] * len(replicas)
+    engines = []
+    for (role, index), cpu_set in zip(replicas, cpu_sets):
+        grpc_port, metrics_port = free_port(), free_port()
+        threads = len(cpu_set) if cpu_set else max(1, len(cpus) // len(replicas))
+        args = _local_engine_args(engine_pool.engine_args(spec, role), model_path, grpc_port, metrics_port,
+                                  threads, options.redis_url)
+        engines.append(EngineChild(f"{role}-{index}", role, grpc_port, metrics_port, args, cpu_set))
+    return LocalPlan(owner.name, spec["model"]["name"], engines, _gateway_config(owner, spec, model_path, engines,
+                                                                                options),
+                     needs_redis="redis" in spec["kvStore"], warnings=_warnings(spec))
+
+
+def _local_engine_args(args: list[str], model_path: Path, grpc_port: int, metrics_port: int, threads: int,
+                       redis_url: str | None) -> list[str]:
+    replace = {"--model": str(model_path), "--host": "127.0.0.1", "--grpc-port": str(grpc_port),
+               "--metrics-port": str(metrics_port)}
+    out = list(args)
+    for i, arg in enumerate(out[:-1]):
+        if arg in replace:
+            out[i + 1] = replace[arg]
+        elif arg == "--kv-redis-url":
+            out[i + 1] = redis_url or ""
+    return out + ["--cpu-threads", str(threads)]
+
+
+def _gateway_config(owner: Owner, spec: dict, model_path: Path, engines: list[EngineChild],
+                    options: LocalOptions) -> dict:
+    config = gateway.gateway_config(owner, spec)
+    config["model"]["path"] = str(model_path)
+    config["server"] = {"host": options.host, "http_port": options.http_port, "grpc_port": options.grpc_port}
+    config["pods"] = {"static": [{"address": e.address, "role": e.role} for e in engines]}
+    config.pop("tenants_file", None)
+    if options.tenants_file:
+        config["tenants_file"] = options.tenants_file
+    return config
+
+
+def _warnings(spec: dict) -> list[str]:
+    out = []
+    if spec["gateway"].get("tenantsSecretRef"):
+        out.append("gateway.tenantsSecretRef names a Kubernetes Secret; locally, pass --tenants-file "
+                   "(without it the gateway runs open access)")
+    if spec["engine"]["tensorParallelSize"] != 1:
+        out.append("engine.tensorParallelSize > 1: the engine serves TP=1 only for now")
+    return out

@@ -1,0 +1,87 @@
+"""Keeps the local platform's child processes running.
+
+A child that exits on its own is restarted after a back-off that doubles
+(1 s, 2 s, 4 s ... up to 30 s) and resets once the child has run for a
+minute; meanwhile the gateway routes around it. Shutdown stops the gateway
+first (no new requests), then the engines (each drains its in-flight
+requests), then anything else (Redis), killing what outlives its timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tessera.child_process import ChildProcess
+
+logger = logging.getLogger(__name__)
+
+MIN_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+STABLE_AFTER_S = 60.0
+
+
+@dataclass
+class Supervised:
+    name: str
+    start: Callable[[], ChildProcess]
+    # Lower stops first.
+    stop_order: int
+    process: ChildProcess | None = None
+    started_at: float = 0.0
+    backoff_s: float = MIN_BACKOFF_S
+    restart_at: float | None = None
+    restarts: int = 0
+    history: list[str] = field(default_factory=list)
+
+
+class Supervisor:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.children: dict[str, Supervised] = {}
+        self.clock = clock
+        self.stopping = False
+
+    def add(self, name: str, start: Callable[[], ChildProcess], stop_order: int) -> Supervised:
+        child = Supervised(name, start, stop_order)
+        self.children[name] = child
+        self._launch(child)
+        return child
+
+    def _launch(self, child: Supervised) -> None:
+        child.process = child.start()
+        child.started_at = self.clock()
+        child.restart_at = None
+
+    def check(self) -> None:
+        """One supervision pass: notice exits, restart when their back-off is over."""
+        if self.stopping:
+            return
+        now = self.clock()
+        for child in self.children.values():
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.restarts += 1
+                    logger.warning("up: restarting %s (restart %d)", child.name, child.restarts)
+                    self._launch(child)
+                continue
+            code = child.process.proc.poll()
+            if code is None:
+                if now - child.started_at >= STABLE_AFTER_S:
+                    child.backoff_s = MIN_BACKOFF_S
+                continue
+            child.history.append(f"exited with {code}")
+            child.restart_at = now + child.backoff_s
+            logger.error("up: %s exited with %s; restarting in %.0f s", child.name, code, child.backoff_s)
+            child.backoff_s = min(MAX_BACKOFF_S, child.backoff_s * 2)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop every child in order; nothing is left running afterwards."""
+        self.stopping = True
+        for order in sorted({c.stop_order for c in self.children.values()}):
+            group = [c for c in self.children.values() if c.stop_order == order and c.process is not None]
+            for child in group:
+                child.process.request_stop()
+            for child in group:
+                child.process.terminate(timeout_s)

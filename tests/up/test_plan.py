@@ -1,0 +1,122 @@
+"""`tessera up`'s plan: the operator's resource and commands, made local (pure)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tessera.up.plan import LocalOptions, build_plan, split_cpus
+from tessera.up.supervisor import MAX_BACKOFF_S, STABLE_AFTER_S, Supervisor
+from tessera_operator.validation import InvalidInferenceService
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _ports():
+    counter = iter(range(40000, 40100))
+    return lambda: next(counter)
+
+
+def _example(name: str) -> dict:
+    return yaml.safe_load((ROOT / "examples" / name).read_text())
+
+
+def _engine_flags(args: list[str]) -> dict[str, str]:
+    return {a: b for a, b in zip(args, args[1:]) if a.startswith("--")}
+
+
+def test_mixed_example_two_pinned_replicas_behind_a_static_gateway(tiny_llama):
+    options = LocalOptions(models_dir=tiny_llama.parent, http_port=8123, grpc_port=8124, cpus=(0, 1))
+    plan = build_plan(_example("local.yaml"), options, _ports())
+    assert [e.name for e in plan.engines] == ["mixed-0", "mixed-1"]
+    assert [e.cpus for e in plan.engines] == [frozenset({0}), frozenset({1})]
+    for engine in plan.engines:
+        flags = _engine_flags(engine.args)
+        assert engine.args[0] == "engine" and flags["--role"] == "mixed"
+        assert flags["--model"] == str(tiny_llama.resolve())
+        assert flags["--host"] == "127.0.0.1" and flags["--grpc-port"] == str(engine.grpc_port)
+        assert flags["--cpu-threads"] == "1" and flags["--kv-host-bytes"] == str(256 << 20)
+    gw = plan.gateway_config
+    assert gw["pods"] == {"static": [{"address": e.address, "role": "mixed"} for e in plan.engines]}
+    assert gw["server"] == {"host": "127.0.0.1", "http_port": 8123, "grpc_port": 8124}
+    assert gw["model"]["path"] == str(tiny_llama.resolve()) and gw["model"]["name"] == "tiny"
+    assert not plan.needs_redis
+
+
+def test_disaggregated_example_needs_redis_and_gets_its_url(tiny_llama):
+    options = LocalOptions(models_dir=tiny_llama.parent, redis_url="redis://127.0.0.1:7777/0", cpus=(0, 1))
+    plan = build_plan(_example("local-disaggregated.yaml"), options, _ports())
+    assert plan.needs_redis
+    assert [(e.name, e.role) for e in plan.engines] == [("prefill-0", "prefill"), ("decode-0", "decode")]
+    for engine in plan.engines:
+        assert _engine_flags(engine.args)["--kv-redis-url"] == "redis://127.0.0.1:7777/0"
+    assert plan.gateway_config["disaggregation"] == {"min_uncached_tokens": 64}
+
+
+def test_engine_args_parse_with_the_engines_own_parser(tiny_llama):
+    import argparse
+
+    from engine_pod.server.main import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    plan = build_plan(_example("local.yaml"), LocalOptions(models_dir=tiny_llama.parent), _ports())
+    args = parser.parse_args(plan.engines[0].args)
+    assert args.cpu_threads >= 1 and args.max_num_seqs == 64
+
+
+def test_invalid_resources_fail_with_the_operators_messages(tiny_llama):
+    bad = _example("local.yaml")
+    bad["spec"]["pools"]["mixed"]["replicas"] = -1
+    bad["spec"]["engine"]["blockSize"] = "big"
+    with pytest.raises(InvalidInferenceService) as err:
+        build_plan(bad, LocalOptions(models_dir=tiny_llama.parent), _ports())
+    assert "spec.pools.mixed.replicas" in str(err.value) and "spec.engine.blockSize" in str(err.value)
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        build_plan(_example("local.yaml"), LocalOptions(models_dir=Path("/nonexistent")), _ports())
+
+
+def test_split_cpus():
+    assert split_cpus((0, 1, 2, 3), 2) == [frozenset({0, 1}), frozenset({2, 3})]
+    assert split_cpus((0, 1), 3) == [frozenset({0}), frozenset({1}), frozenset({0})]
+
+
+class _FakeProc:
+    def __init__(self):
+        self.code = None
+
+    def poll(self):
+        return self.code
+
+
+class _FakeChild:
+    def __init__(self):
+        self.proc = _FakeProc()
+
+
+def test_supervisor_restarts_with_doubling_backoff_that_resets_when_stable():
+    now = [0.0]
+    started = []
+    sup = Supervisor(clock=lambda: now[0])
+
+    def start():
+        started.append(_FakeChild())
+        return started[-1]
+
+    child = sup.add("engine", start, stop_order=1)
+    waits = []
+    for _ in range(7):
+        started[-1].proc.code = 1  # crash at once
+        sup.check()
+        waits.append(child.restart_at - now[0])
+        now[0] = child.restart_at
+        sup.check()
+    assert waits == [1, 2, 4, 8, 16, 30, 30] and MAX_BACKOFF_S == 30
+    assert child.restarts == 7 and len(started) == 8
+    now[0] += STABLE_AFTER_S
+    sup.check()  # ran a minute: the back-off starts over
+    started[-1].proc.code = 1
+    sup.check()
+    assert child.restart_at - now[0] == 1
