@@ -41,10 +41,11 @@ NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 NAME_RULE = f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && self.metadata.name.matches('{NAME_PATTERN}')"
 
 
-def _resources() -> Schema:
-    return obj("Compute resources of each pod (GPUs are added from `gpus`).", {
-        "requests": string_map("Minimum resources.", quantity("A quantity.")),
-        "limits": string_map("Maximum resources.", quantity("A quantity.")),
+def _resources(description: str) -> Schema:
+    return obj(description, {
+        "requests": string_map("Resources the scheduler reserves, by name (cpu, memory, ...).",
+                               quantity("A quantity.")),
+        "limits": string_map("Most the container may use, by name (cpu, memory, ...).", quantity("A quantity.")),
     }, default={})
 
 
@@ -55,17 +56,19 @@ def _tolerations() -> Schema:
         "value": string("Taint value for operator Equal."),
         "effect": string("Effect to tolerate (empty: all).",
                          enum=["", "NoSchedule", "PreferNoSchedule", "NoExecute"]),
-        "tolerationSeconds": integer("How long a NoExecute taint is tolerated.", minimum=0),
+        "tolerationSeconds": integer("How long a NoExecute taint is tolerated (absent: forever).", minimum=0),
     }), max_items=32)
 
 
-def _pool(role: str) -> Schema:
-    return obj(f"The {role} pool of engine pods.", {
-        "replicas": integer("Replicas without autoscaling; the starting point with it.", default=1, minimum=0),
+def _pool() -> Schema:
+    return obj("A pool of engine pods; its key is their role (mixed, prefill or decode).", {
+        "replicas": integer("Pods of the pool without autoscaling; the starting count with it.", default=1,
+                            minimum=0),
         "minReplicas": integer("Lower bound of the autoscaler (0 allows scale to zero).", default=1, minimum=0),
         "maxReplicas": integer("Upper bound of the autoscaler.", default=4, minimum=1),
         "gpus": integer("GPUs per pod (default: engine.tensorParallelSize; 0 runs on CPU).", minimum=0),
-        "resources": _resources(),
+        "resources": _resources("CPU and memory of each engine pod (GPUs come from `gpus`); memory must hold "
+                                "the process plus kvStore.hostMemory."),
         "nodeSelector": string_map("Node labels the pods must match."),
         "tolerations": _tolerations(),
     }, default={}, rules=[(MIN_LE_MAX_RULE, "minReplicas must not exceed maxReplicas")])
@@ -86,7 +89,8 @@ def _scaling(role: str, signals: list[str], default_signal: str) -> Schema:
         targets["targetKVUsage"] = number(
             "kvUsage: mean fraction of KV blocks in use across ready pods.", default=0.8, minimum=0.05, maximum=1)
     return obj(f"Autoscaling of the {role} pool.", {
-        "signal": string("The metric this pool scales on.", enum=signals, default=default_signal),
+        "signal": string("The metric this pool scales on; its target is the matching target field.",
+                         enum=signals, default=default_signal),
         **targets,
         "tolerance": number("No change while |observed/target - 1| is within this.", default=0.1,
                             minimum=0, maximum=0.9),
@@ -101,44 +105,60 @@ def _scaling(role: str, signals: list[str], default_signal: str) -> Schema:
 
 def _model() -> Schema:
     return obj("The model to serve.", {
-        "name": string("Served model name: the OpenAI `model` field.", min_length=1, max_length=253,
+        "name": string("Served model name: the `model` field of requests, and what /v1/models lists.",
+                       min_length=1, max_length=253,
                        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$"),
         "pvc": obj("Checkpoint on a PersistentVolumeClaim (ReadOnlyMany when pods span nodes).", {
-            "claimName": string("Name of the PVC.", min_length=1),
-            "path": string("Checkpoint folder inside the volume.", default="", pattern=r"^[^/].*$|^$"),
+            "claimName": string("Name of the PVC, in the InferenceService's namespace.", min_length=1),
+            "path": string("Checkpoint folder inside the volume, relative to its root (empty: the root).",
+                           default="", pattern=r"^[^/].*$|^$"),
         }, required=["claimName"]),
-        "hostPath": obj("Checkpoint in a folder of every node.", {
-            "path": string("Absolute folder on the node.", pattern=r"^/"),
+        "hostPath": obj("Checkpoint in a folder present on every node (single-node clusters; the local "
+                        "machine's folder for `tessera up`).", {
+            "path": string("Absolute path of the checkpoint folder (config.json, safetensors, tokenizer files).",
+                           pattern=r"^/"),
         }, required=["path"]),
-        "dtype": string("Weights and activations dtype.", enum=["auto", "float32", "bfloat16", "float16"],
+        "dtype": string("Weights and activations dtype. auto: the checkpoint's on GPUs; on CPUs bfloat16 for a "
+                        "bfloat16 checkpoint where the CPU has bf16 arithmetic, else float32.",
+                        enum=["auto", "float32", "bfloat16", "float16"],
                         default="auto"),
-        "maxModelLen": integer("Context length (default: from config.json).", minimum=1),
+        "maxModelLen": integer("Context length in tokens, prompt plus output (default: config.json's "
+                               "max_position_embeddings).", minimum=1),
     }, required=["name"], rules=[(ONE_SOURCE_RULE, "set exactly one of model.pvc and model.hostPath")])
 
 
 def _engine() -> Schema:
     return obj("Settings every engine pod shares.", {
-        "tensorParallelSize": integer("GPUs one engine spans.", default=1, minimum=1, maximum=16),
-        "blockSize": integer("Tokens per KV block (the gateway uses the same).", default=16, minimum=1,
-                             maximum=256),
-        "maxNumBatchedTokens": integer("Token budget of one engine step.", default=2048, minimum=1),
-        "maxNumSeqs": integer("Most sequences running at once.", default=256, minimum=1),
-        "prefixCaching": boolean("Reuse KV blocks of shared prefixes.", default=True),
-        "gpuMemoryUtilization": number("Fraction of GPU memory the engine may use.", default=0.9,
-                                       minimum=0.05, maximum=1),
-        "schedulingPolicy": string("fcfs, or priority (the gateway's priority classes).",
+        "tensorParallelSize": integer("GPUs one engine spans (tensor parallelism; engine pods run only 1 so far).",
+                                      default=1, minimum=1, maximum=16),
+        "blockSize": integer("Tokens per KV block; the gateway hashes prompts in blocks of the same size.",
+                             default=16, minimum=1, maximum=256),
+        "maxNumBatchedTokens": integer("Token budget of one engine step (decodes plus prefill chunks).",
+                                       default=2048, minimum=1),
+        "maxNumSeqs": integer("Most sequences one engine runs at once.", default=256, minimum=1),
+        "prefixCaching": boolean("Reuse the KV blocks of shared prompt prefixes (the KV store needs it).",
+                                 default=True),
+        "gpuMemoryUtilization": number("Fraction of GPU memory the engine may use; the KV cache gets what the "
+                                       "weights and activations leave (on CPU the KV cache gets 1 GiB).",
+                                       default=0.9, minimum=0.05, maximum=1),
+        "schedulingPolicy": string("fcfs: arrival order; priority: the gateway's priority classes, lower first.",
                                    enum=["fcfs", "priority"], default="priority"),
-        "gpuResourceName": string("Extended resource that counts GPUs.", default="nvidia.com/gpu", min_length=1),
-        "drainTimeoutSeconds": integer("Seconds in-flight requests get after SIGTERM.", default=30, minimum=0,
+        "gpuResourceName": string("Extended resource that counts GPUs (the device plugin's name).",
+                                  default="nvidia.com/gpu", min_length=1),
+        "drainTimeoutSeconds": integer("Seconds in-flight requests get to finish after SIGTERM; the pods' "
+                                       "termination grace period follows from it.", default=30, minimum=0,
                                        maximum=3600),
     }, default={})
 
 
 def _kv_store() -> Schema:
-    return obj("Tiered KV store of the engine pods.", {
-        "hostMemory": quantity("Host-memory KV tier per pod (e.g. 8Gi; 0 turns it off).", default=0),
-        "redis": obj("Shared Redis tier.", {
-            "urlSecretRef": secret_key_ref("Secret key holding the redis:// URL (it may carry a password).",
+    return obj("Tiered KV store of the engine pods: KV blocks kept beyond the GPU's cache.", {
+        "hostMemory": quantity("Host-memory KV tier of each engine pod, in bytes (e.g. 8Gi; 0 turns it off).",
+                               default=0),
+        "redis": obj("Redis tier shared by every engine pod of the model; disaggregated mode hands KV from "
+                     "prefill to decode pods through it.", {
+            "urlSecretRef": secret_key_ref("Secret key holding the redis:// or rediss:// URL (it may carry a "
+                                           "password).",
                                            default_key="url"),
         }, required=["urlSecretRef"]),
     }, default={})
@@ -147,8 +167,9 @@ def _kv_store() -> Schema:
 def _gateway() -> Schema:
     priority_class = obj("A priority class of the gateway's admission.", {
         "name": string("Class name tenants and requests refer to.", min_length=1, max_length=63),
-        "priority": integer("Engine priority; lower runs first.", minimum=0),
-        "weight": integer("Share in weighted fair queueing.", minimum=1),
+        "priority": integer("Engine priority; lower runs first (with engine.schedulingPolicy priority).",
+                            minimum=0),
+        "weight": integer("Share of dispatches in weighted fair queueing while requests wait.", minimum=1),
         "sheddable": boolean("Rejected first (429) when saturated.", default=False),
     }, required=["name", "priority", "weight"])
     default_classes = [{"name": "standard", "priority": 10, "weight": 4, "sheddable": False}]
@@ -156,19 +177,21 @@ def _gateway() -> Schema:
         "replicas": integer("Gateway pods (they share no state).", default=1, minimum=1),
         "serviceType": string("Type of the gateway Service.", enum=["ClusterIP", "NodePort", "LoadBalancer"],
                               default="ClusterIP"),
-        "tenantsSecretRef": obj("Secret with the tenants file under the key tenants.yaml.", {
-            "name": string("Name of the Secret.", min_length=1),
+        "tenantsSecretRef": obj("Secret with the tenants file (API-key hashes, limits) under the key "
+                                "tenants.yaml; absent: open access, no API keys.", {
+            "name": string("Name of the Secret, in the InferenceService's namespace.", min_length=1),
         }, required=["name"]),
-        "priorityClasses": array("Admission classes.", priority_class, default=default_classes, max_items=16,
-                                 map_keys=["name"]),
-        "defaultPriorityClass": string("Class of requests that name none.", default="standard"),
-        "resources": _resources(),
+        "priorityClasses": array("Admission classes, unique by name.", priority_class, default=default_classes,
+                                 max_items=16, map_keys=["name"]),
+        "defaultPriorityClass": string("Class of requests whose tenant and body name none.", default="standard"),
+        "resources": _resources("CPU and memory of each gateway pod."),
     }, default={}, rules=[(DEFAULT_CLASS_RULE, "defaultPriorityClass must name one of priorityClasses")])
 
 
 def _autoscaling() -> Schema:
     return obj("Autoscaling of the engine pools from their metrics.", {
-        "enabled": boolean("Let the operator set the pools' replicas.", default=True),
+        "enabled": boolean("Let the operator set the pools' replicas (false: each pool runs its `replicas`).",
+                           default=True),
         "mixed": _scaling("mixed", ["queue", "ttft", "itl", "kvUsage"], "queue"),
         "prefill": _scaling("prefill", ["queue", "ttft"], "queue"),
         "decode": _scaling("decode", ["itl", "kvUsage"], "kvUsage"),
@@ -178,19 +201,22 @@ def _autoscaling() -> Schema:
 def spec_schema() -> Schema:
     return obj("Desired state of an InferenceService.", {
         "model": _model(),
-        "image": string("Image of every component.", default=DEFAULT_IMAGE, min_length=1),
+        "image": string("Container image of every component (gateway and engine pods).", default=DEFAULT_IMAGE,
+                        min_length=1),
         "imagePullPolicy": string("Pull policy of that image.", enum=["Always", "IfNotPresent", "Never"],
                                   default="IfNotPresent"),
-        "mode": string("mixed: one pool; disaggregated: prefill and decode pools.",
+        "mode": string("mixed: one pool of mixed pods; disaggregated: a prefill and a decode pool.",
                        enum=["mixed", "disaggregated"], default="mixed"),
         "engine": _engine(),
-        "pools": obj("Engine pools: mixed, or prefill and decode, by mode.", {
-            name: _pool(name) for name in POOL_NAMES
+        "pools": obj("Engine pools by role; mode picks which run (mixed, or prefill and decode), the others "
+                     "are ignored.", {
+            name: _pool() for name in POOL_NAMES
         }, default={}),
         "kvStore": _kv_store(),
         "gateway": _gateway(),
-        "disaggregation": obj("When the gateway splits a request into prefill and decode.", {
-            "minUncachedTokens": integer("Disaggregate prompts with at least this many uncached tokens.",
+        "disaggregation": obj("When the gateway splits a request into prefill and decode (disaggregated mode).", {
+            "minUncachedTokens": integer("Split prompts with at least this many tokens the best decode pod has not "
+                                         "cached; shorter ones go to a decode pod alone.",
                                          default=256, minimum=0),
         }, default={}),
         "autoscaling": _autoscaling(),
@@ -201,29 +227,30 @@ def status_schema() -> Schema:
     pool_status = obj("Replicas of one pool.", {
         "desiredReplicas": integer("Replicas the operator asks for.", minimum=0),
         "readyReplicas": integer("Pods passing readiness.", minimum=0),
-        "lastScaleTime": string("When the autoscaler last changed the replicas."),
+        "lastScaleTime": string("When the autoscaler last changed the replicas (RFC 3339)."),
     })
     condition = obj("A condition.", {
         "type": string("GatewayReady, EngineReady, PrefillReady, DecodeReady or Ready."),
         "status": string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
         "reason": string("CamelCase reason."),
         "message": string("Human-readable detail."),
-        "lastTransitionTime": string("When status last changed."),
+        "lastTransitionTime": string("When status last changed (RFC 3339)."),
         "observedGeneration": integer("Generation the condition was computed for."),
     }, required=["type", "status"])
     return obj("Observed state, written by the operator.", {
         "observedGeneration": integer("Last generation the operator reconciled."),
         "mode": string("Mode of the deployed pools."),
         "url": string("In-cluster REST endpoint of the gateway."),
-        "pools": obj("Per pool replicas.", {name: pool_status for name in POOL_NAMES}),
-        "conditions": array("Conditions.", condition, map_keys=["type"]),
+        "pools": obj("Replicas of each active pool.", {name: pool_status for name in POOL_NAMES}),
+        "conditions": array("Readiness of each component and of the whole, one entry per type.", condition,
+                            map_keys=["type"]),
     })
 
 
 def openapi_schema() -> Schema:
     root = obj("A model served by Tessera: gateway plus engine pools.", {
-        "apiVersion": {"type": "string"},
-        "kind": {"type": "string"},
+        "apiVersion": string(f"{API_VERSION} (the only version so far)."),
+        "kind": string(f"{KIND}."),
         "metadata": {"type": "object"},
         "spec": spec_schema(),
         "status": status_schema(),
