@@ -22,7 +22,8 @@ CLASSES = [
     {"name": "low", "priority": 10, "weight": 1},
     {"name": "batch", "priority": 20, "weight": 1, "sheddable": True},
 ]
-PER_CLASS = 32
+# The high class is the minority, as interactive traffic usually is.
+NUM_LOW, NUM_HIGH = 48, 16
 
 
 async def _ttft(http: httpx.AsyncClient, base_url: str, pclass: str, i: int) -> dict:
@@ -60,12 +61,12 @@ def test_high_class_overtakes_low_and_sheddable_is_refused_first(tiny_llama, tmp
 
             async def run():
                 async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as http:
-                    # Both classes arrive together, far more than the pods run at once.
-                    tasks = []
-                    for i in range(PER_CLASS):
-                        tasks.append(asyncio.create_task(_ttft(http, gw.base_url, "low", i)))
-                        tasks.append(asyncio.create_task(_ttft(http, gw.base_url, "high", i)))
-                    await asyncio.sleep(0.3)  # saturated by now
+                    # Far more than the pods run at once: low first, high a moment
+                    # later, so both wait in the gateway's queue together.
+                    tasks = [asyncio.create_task(_ttft(http, gw.base_url, "low", i)) for i in range(NUM_LOW)]
+                    await asyncio.sleep(0.4)
+                    tasks += [asyncio.create_task(_ttft(http, gw.base_url, "high", i)) for i in range(NUM_HIGH)]
+                    await asyncio.sleep(0.2)  # saturated by now
                     tasks += [asyncio.create_task(_ttft(http, gw.base_url, "batch", i)) for i in range(8)]
                     return await asyncio.gather(*tasks)
 
