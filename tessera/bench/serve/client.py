@@ -82,7 +82,8 @@ class ServeClient:
         async with self._session.get(self.base_url + "/models") as resp:
             text = await resp.text()
             if resp.status != 200:
-                raise RuntimeError(f"GET {self.base_url}/models: HTTP {resp.status}: {text[:300]}")
+                hint = " (--base-url is the API root, e.g. http://HOST:PORT/v1)" if resp.status == 404 else ""
+                raise RuntimeError(f"GET {self.base_url}/models: HTTP {resp.status}: {text[:300]}{hint}")
         return [m["id"] for m in json.loads(text).get("data", [])]
 
     async def send(self, target: Target, request: ServeRequest, max_tokens: int | None = None) -> RequestOutcome:

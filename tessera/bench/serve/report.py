@@ -29,12 +29,16 @@ def request_records(outcomes: list[RequestOutcome]) -> list[dict]:
              "output_tokens": o.output_tokens, "error": o.error} for o in outcomes]
 
 
+def _rate_text(rate: float | str) -> str:
+    return rate if isinstance(rate, str) else f"{rate:g}"
+
+
 def _fmt(value, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def print_rate(summary: dict, percentiles: list[float]) -> None:
-    rate = summary["request_rate"]
+    rate = _rate_text(summary["request_rate"])
     print(f"\n==== rate {rate} req/s: {summary['completed']} completed, {summary['failed']} failed "
           f"in {summary['duration_s']:.2f} s ====")
     print(f"request throughput {_fmt(summary['request_throughput'])} req/s | output "
@@ -55,7 +59,7 @@ def print_sweep_table(summaries: list[dict], tail: float) -> None:
           "| goodput (req/s) |")
     print("| --- " * 10 + "|")
     for s in summaries:
-        cells = [str(s["request_rate"]), str(s["completed"]), str(s["failed"]), _fmt(s["request_throughput"]),
+        cells = [_rate_text(s["request_rate"]), str(s["completed"]), str(s["failed"]), _fmt(s["request_throughput"]),
                  _fmt(s["output_throughput"], 1)]
         cells += [f"{_fmt(s[f'median_{n}_ms'], 1)} / {_fmt(s[f'{tail_key}_{n}_ms'], 1)}" for n in LATENCY_METRICS]
         cells.append(_fmt(s.get("request_goodput")) if "request_goodput" in s else "-")

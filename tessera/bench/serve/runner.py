@@ -56,14 +56,19 @@ def _tokenizer(args: argparse.Namespace, needed: bool):
     from tessera.text import load_tokenizer
 
     if args.tokenizer:
-        return load_tokenizer(args.tokenizer)
-    if not needed:
-        return None
-    from tessera.bench.routing import resolve_model
+        path = args.tokenizer
+    elif needed:
+        from tessera.bench.routing import resolve_model
 
-    path = resolve_model(None)
-    print(f"tokenizer: {path} (Tessera's preset tokenizer; pass --tokenizer for another model's)")
-    return load_tokenizer(path)
+        path = resolve_model(None)
+        print(f"tokenizer: {path} (Tessera's preset tokenizer; pass --tokenizer for another model's)")
+    else:
+        return None
+    tokenizer = load_tokenizer(path)
+    # It only measures text here (the whole corpus at once, too): the
+    # model's context limit does not apply, and its warning would be noise.
+    tokenizer.model_max_length = int(1e30)
+    return tokenizer
 
 
 def build_dataset(args: argparse.Namespace) -> list[ServeRequest]:

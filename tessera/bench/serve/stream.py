@@ -2,18 +2,21 @@
 the request's TTFT, inter-token latencies, end-to-end latency and token
 counts out (the per-request definitions of `vllm bench serve`).
 
-- TTFT: request sent -> the first chunk that carries generated text.
-- ITL: the gaps between successive text-carrying chunks (a chunk that holds
-  several tokens is one gap, as the client sees it).
+- TTFT: request sent -> the first chunk that carries a token.
+- ITL: the gaps between successive token-carrying chunks (a chunk that
+  holds several tokens is one gap, as the client sees it).
 - E2E latency: request sent -> the end of the stream (`data: [DONE]`).
 - TPOT: (E2E - TTFT) / (output tokens - 1), for outputs of 2+ tokens.
 - Output tokens: `usage.completion_tokens` of the usage chunk when the
-  server sends one, else the number of text-carrying chunks.
+  server sends one, else the number of token-carrying chunks.
 
-A chunk "carries text" when its first choice has non-empty `text`
-(completions) or `delta.content` (chat): a role-only opening delta or a
-closing chunk with only a finish_reason is not a token. If no chunk carries
-text at all (every token decoded to nothing), the first chunk with a choice
+A chunk carries a token when its first choice has non-empty `text`
+(completions) or `delta.content` (chat), or an empty one while the choice is
+still open (finish_reason null): servers send one chunk per token, and a
+token that decodes to nothing (a partial UTF-8 sequence held back, a skipped
+special token) still took its decode step. Not tokens: a chat opener that
+holds only the role, and an empty closing chunk that only brings the
+finish_reason. If no chunk qualifies at all, the first chunk with a choice
 stands in for the first token.
 """
 
@@ -48,10 +51,18 @@ class RequestOutcome:
         return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def _chunk_text(choice: dict) -> str:
-    if "delta" in choice:
-        return (choice.get("delta") or {}).get("content") or ""
-    return choice.get("text") or ""
+def carries_token(choice: dict) -> bool:
+    """Whether a streamed choice holds a generated token (see above)."""
+    still_open = choice.get("finish_reason") is None
+    if "delta" in choice:  # chat
+        delta = choice.get("delta") or {}
+        content = delta.get("content")
+        if content:
+            return True
+        # An empty content counts while open, except in the role-only opener.
+        return content is not None and still_open and "role" not in delta
+    text = choice.get("text")
+    return bool(text) or (text is not None and still_open)
 
 
 class StreamRecorder:
@@ -81,7 +92,7 @@ class StreamRecorder:
         if choices:
             if self._first_choice_at is None:
                 self._first_choice_at = at
-            if _chunk_text(choices[0]):
+            if carries_token(choices[0]):
                 self._token_times.append(at)
         if event.get("usage"):
             self._usage = event["usage"]
