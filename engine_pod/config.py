@@ -73,12 +73,51 @@ class KVStoreConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Tensor parallelism: one worker process per rank when above 1."""
+
+    tensor_parallel_size: int = 1
+    # torch threads per worker process on CPU; None: this process's CPU
+    # share divided among the ranks.
+    worker_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if self.worker_threads is not None and self.worker_threads < 1:
+            raise ValueError(f"worker_threads must be >= 1 or None, got {self.worker_threads!r}")
+
+    def validate_for(self, arch: ModelArchConfig) -> None:
+        """Every rank must get an equal share of what the model splits."""
+        tp = self.tensor_parallel_size
+        if arch.num_attention_heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the model's num_attention_heads="
+                f"{arch.num_attention_heads}"
+            )
+        kv = arch.num_key_value_heads
+        if kv % tp and tp % kv:
+            # Fewer KV heads than ranks works by replication only when the
+            # ranks group evenly onto them.
+            raise ValueError(
+                f"tensor_parallel_size={tp} neither divides nor is a multiple of the model's "
+                f"num_key_value_heads={kv}"
+            )
+        if arch.intermediate_size % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the model's intermediate_size={arch.intermediate_size}"
+            )
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: torch.device
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_backend: str = "auto"
     seed: int = 0
 
@@ -158,10 +197,27 @@ def create_engine_config(
     kv_redis_ttl: int = 3600,
     kv_redis_cluster: bool = False,
     kv_write_queue_size: int = 256,
+    tensor_parallel_size: int = 1,
+    worker_threads: int | None = None,
 ) -> EngineConfig:
     path = Path(model)
+    parallel = ParallelConfig(tensor_parallel_size, worker_threads)
     arch = load_arch_config(path)
+    parallel.validate_for(arch)
     dev = _resolve_device(device)
+    if dev.type == "cuda" and tensor_parallel_size > torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs as many CUDA devices; "
+            f"{torch.cuda.device_count()} visible"
+        )
+    kv_store = KVStoreConfig(kv_host_bytes, kv_redis_url, kv_redis_ttl, kv_redis_cluster, kv_write_queue_size)
+    if kv_store.enabled and tensor_parallel_size > 1:
+        # Each rank would have to load and save its own shard of every block
+        # (the codec keys blocks per rank); not built yet.
+        raise ValueError(
+            f"the KV store (kv_host_bytes / kv_redis_url) does not support tensor_parallel_size="
+            f"{tensor_parallel_size} yet; use tensor_parallel_size=1 or turn the KV store off"
+        )
     try:
         policy = SchedulingPolicy(scheduling_policy)
     except ValueError:
@@ -184,7 +240,8 @@ def create_engine_config(
             policy=policy,
         ),
         device=dev,
-        kv_store=KVStoreConfig(kv_host_bytes, kv_redis_url, kv_redis_ttl, kv_redis_cluster, kv_write_queue_size),
+        kv_store=kv_store,
+        parallel=parallel,
         attention_backend=attention_backend,
         seed=seed,
     )

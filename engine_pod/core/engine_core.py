@@ -9,7 +9,7 @@ from engine_pod.core.kv_cache_manager import KVCacheManager
 from engine_pod.core.kv_connector import KVConnectorScheduler
 from engine_pod.core.scheduler import EngineCoreOutput, Scheduler
 from engine_pod.core.stats import EngineTotals, SchedulerStats
-from engine_pod.executor import Executor, UniProcExecutor
+from engine_pod.executor import Executor, create_executor
 from engine_pod.request import Request, RequestStatus
 from engine_pod.worker.kv_store_factory import build_kv_store
 
@@ -19,7 +19,14 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
-        self.executor = executor or UniProcExecutor(config)
+        self.executor = executor or create_executor(config)
+        try:
+            self._start(config)
+        except BaseException:
+            self.executor.shutdown()  # no worker outlives a failed start
+            raise
+
+    def _start(self, config: EngineConfig) -> None:
         num_blocks = config.cache.num_gpu_blocks or self.executor.determine_num_blocks()
         block_size = config.cache.block_size
         max_model_len = config.model.max_model_len

@@ -20,6 +20,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks to split the model across, one worker process each (gloo on CPU, nccl on CUDA)")
     k = parser.add_argument_group("KV store")
     k.add_argument("--kv-host-bytes", type=int, default=0, help="host-memory tier budget in bytes (0: off)")
     k.add_argument("--kv-redis-url", default=None, help="redis:// or rediss:// URL of the shared tier")
@@ -49,4 +51,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_redis_ttl=args.kv_redis_ttl,
         kv_redis_cluster=args.kv_redis_cluster,
         kv_write_queue_size=args.kv_write_queue_size,
+        tensor_parallel_size=args.tensor_parallel_size,
     )

@@ -29,15 +29,24 @@ class LLM:
     """
 
     def __init__(self, model: str, *, tokenizer: str | None = None, tensor_parallel_size: int = 1, **engine_kwargs):
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet (only 1)")
-        self.config = create_engine_config(model, **engine_kwargs)
+        self.config = create_engine_config(model, tensor_parallel_size=tensor_parallel_size, **engine_kwargs)
         self.tokenizer = load_tokenizer(tokenizer or model)
         eos_ids = load_eos_token_ids(model, self.tokenizer)
         self.processor = Processor(self.config, self.tokenizer, eos_ids)
         self.engine_core = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine (and its worker processes under tensor parallelism);
+        also done at interpreter exit."""
+        self.engine_core.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -22,6 +22,11 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    @abstractmethod
+    def collective_rpc(self, method: str, *args) -> list:
+        """Run a ModelRunner method on every rank; results in rank order
+        (per-rank figures such as ``weight_bytes``)."""
+
     @property
     @abstractmethod
     def forward_seconds(self) -> float:

@@ -24,6 +24,9 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
+    def collective_rpc(self, method: str, *args) -> list:
+        return [getattr(self.runner, method)(*args)]
+
     @property
     def forward_seconds(self) -> float:
         return self.runner.forward_seconds

@@ -4,6 +4,10 @@ All scheduled tokens of a step form one sequence of T tokens with no
 padding; attention finds each token's context through the paged KV cache.
 Module names follow the Hugging Face checkpoints, with q/k/v and gate/up
 merged into one projection each (see ``STACKED_PARAMS``).
+
+Under tensor parallelism each rank builds the same modules with its share of
+the heads, the intermediate size and the vocabulary (parallel_layers.py):
+one all-reduce after the attention output and one after the MLP.
 """
 
 from __future__ import annotations
@@ -12,8 +16,19 @@ import torch
 from torch import nn
 
 from engine_pod.attention.backend import AttentionBackend, AttentionMetadata
+from engine_pod.distributed.parallel_state import TensorParallelGroup
 from engine_pod.model.hf_config import ModelArchConfig
-from engine_pod.model.layers import MergedLinear, RMSNorm
+from engine_pod.model.layers import RMSNorm
+from engine_pod.model.parallel_layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    kv_heads_per_rank,
+    qkv_shards,
+    split_shards,
+    vocab_parallel_logits,
+)
 from engine_pod.model.rotary import RotaryEmbedding, compute_inv_freq
 
 # merged parameter -> (checkpoint projection, shard name)
@@ -24,18 +39,22 @@ STACKED_PARAMS = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend, group: TensorParallelGroup
+    ) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        # This rank's heads (all of them at TP=1).
+        self.num_heads = cfg.num_attention_heads // group.world_size
+        self.num_kv_heads = kv_heads_per_rank(cfg.num_key_value_heads, group.world_size)
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = MergedLinear(
-            cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=cfg.qkv_bias
+        shards = qkv_shards(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, group)
+        self.qkv_proj = MergedColumnParallelLinear(cfg.hidden_size, shards, bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias, group=group
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.rotary = rotary
         self.backend = backend
 
@@ -51,13 +70,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, group: TensorParallelGroup) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(
-            cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, bias=cfg.mlp_bias
-        )
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.intermediate = cfg.intermediate_size // group.world_size
+        shards = split_shards(["gate", "up"], cfg.intermediate_size, group)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, shards, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -65,10 +83,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend, group: TensorParallelGroup
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, backend)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, rotary, backend, group)
+        self.mlp = LlamaMLP(cfg, group)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -78,15 +98,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, max_model_len: int, dtype: torch.dtype, backend: AttentionBackend):
+    def __init__(
+        self, cfg: ModelArchConfig, max_model_len: int, dtype: torch.dtype, backend: AttentionBackend,
+        group: TensorParallelGroup,
+    ):
         super().__init__()
         inv_freq, scale = compute_inv_freq(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, max_model_len
         )
         # One table shared by every layer (not a parameter, not in the checkpoint).
         rotary = RotaryEmbedding(cfg.head_dim, max_model_len, inv_freq, scale, dtype)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, rotary, backend, group) for _ in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], md: AttentionMetadata) -> torch.Tensor:
@@ -97,22 +122,27 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, max_model_len: int, dtype: torch.dtype, backend: AttentionBackend):
+    def __init__(
+        self, cfg: ModelArchConfig, max_model_len: int, dtype: torch.dtype, backend: AttentionBackend,
+        group: TensorParallelGroup,
+    ):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_model_len, dtype, backend)
+        self.group = group
+        self.model = LlamaModel(cfg, max_model_len, dtype, backend, group)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, group)
 
     def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
         """Hidden states (before the final norm) of every token: [T, hidden]."""
         return self.model(input_ids, positions, kv_caches, md)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of selected hidden states; the final norm is per-row, so
-        applying it to sampled positions only is exact and cheaper."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of selected hidden states, on rank 0 only (None on the
+        others: they do not sample). The final norm is per-row, so applying
+        it to sampled positions only is exact and cheaper."""
         hidden = self.model.norm(hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight)
+        return vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.group)

@@ -1,4 +1,9 @@
-"""Build a model and load its weights from a Hugging Face safetensors checkpoint."""
+"""Build a model and load its weights from a Hugging Face safetensors checkpoint.
+
+Tensors are read lazily (safetensors slices): a module that holds a
+tensor-parallel shard reads only its rows or columns, so no rank ever holds
+the whole model, and peak extra memory is one shard of one tensor.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +16,10 @@ from safetensors import safe_open
 from torch import nn
 
 from engine_pod.attention.backend import AttentionBackend
+from engine_pod.distributed.parallel_state import TensorParallelGroup, single_rank_group
 from engine_pod.model.hf_config import ModelArchConfig
-from engine_pod.model.layers import MergedLinear
 from engine_pod.model.llama import STACKED_PARAMS, LlamaForCausalLM
+from engine_pod.model.weight_source import WeightSource
 
 # Checkpoint entries that are buffers, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -30,12 +36,12 @@ def checkpoint_files(model_path: Path) -> list[Path]:
     return files
 
 
-def iterate_checkpoint(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one at a time, so peak memory is one tensor."""
+def iterate_checkpoint(model_path: Path) -> Iterator[WeightSource]:
+    """Yield each tensor unread: its consumer reads what it holds."""
     for file in checkpoint_files(model_path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield WeightSource(name, f.get_slice(name))
 
 
 def _checkpoint_names(model: nn.Module) -> set[str]:
@@ -68,18 +74,18 @@ def _target(model: nn.Module, name: str) -> tuple[nn.Module, str, str | None] | 
 def load_weights(model: nn.Module, model_path: Path) -> None:
     expected = _checkpoint_names(model)
     loaded: set[str] = set()
-    for name, tensor in iterate_checkpoint(model_path):
+    for source in iterate_checkpoint(model_path):
+        name = source.name
         if name not in expected:
             continue  # tied lm_head copies, rotary buffers, extra heads
         module, leaf, shard = _target(model, name)
-        if shard is not None:
-            assert isinstance(module, MergedLinear)
-            module.load_shard(leaf, shard, tensor)
+        if hasattr(module, "load_weight"):
+            module.load_weight(leaf, shard, source)  # a parallel layer reads its own shard
         else:
             param = getattr(module, leaf)
-            if param.shape != tensor.shape:
-                raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
-            param.data.copy_(tensor)
+            if tuple(param.shape) != source.shape:
+                raise ValueError(f"weight {name}: checkpoint shape {source.shape} != model shape {tuple(param.shape)}")
+            param.data.copy_(source.full())
         loaded.add(name)
     missing = expected - loaded
     if missing:
@@ -95,12 +101,14 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     backend: AttentionBackend,
+    group: TensorParallelGroup | None = None,
 ) -> LlamaForCausalLM:
+    group = group or single_rank_group(device)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_model_len, dtype, backend)
+            model = LlamaForCausalLM(cfg, max_model_len, dtype, backend, group)
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, model_path)

@@ -50,7 +50,6 @@ def add_parser(sub) -> None:
     p = sub.add_parser("engine", help="run an engine pod (gRPC tessera.v1.Engine)")
     add_engine_args(p)
     p.add_argument("--role", default="mixed", help="mixed, prefill or decode")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--grpc-port", type=int, default=50061)
     p.add_argument("--metrics-port", type=int, default=9090, help="0 disables /metrics")
@@ -66,8 +65,6 @@ def add_parser(sub) -> None:
 def _validate(args: argparse.Namespace) -> None:
     if args.role not in ROLES:
         raise ValueError(f"role: {args.role!r} is not one of {ROLES}")
-    if args.tensor_parallel_size != 1:
-        raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size} is not supported yet (only 1)")
     if args.max_waiting_requests < 1:
         raise ValueError("max_waiting_requests must be >= 1")
     if args.drain_timeout < 0:
@@ -179,7 +176,10 @@ def serve(args: argparse.Namespace) -> int:
     _validate(args)
     config = create_engine_config(args.model, **engine_kwargs(args))
     if config.device.type == "cpu":
-        torch.set_num_threads(args.cpu_threads or cpu_share())
+        threads = args.cpu_threads or cpu_share()
+        torch.set_num_threads(threads)
+        # Under tensor parallelism the ranks compute and share the pod's CPUs.
+        config.parallel.worker_threads = max(1, threads // config.parallel.tensor_parallel_size)
     model_name = args.served_model_name or config.model.path.name
     processor = Processor(config, tokenizer=None, eos_token_ids=load_eos_token_ids(config.model.path))
     metrics = EngineMetrics(model_name)

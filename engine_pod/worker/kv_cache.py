@@ -1,27 +1,31 @@
-"""Sizing and allocating the paged KV cache tensors."""
+"""Sizing and allocating the paged KV cache tensors (of one rank)."""
 
 from __future__ import annotations
 
 import torch
 
 from engine_pod.model.hf_config import ModelArchConfig
+from engine_pod.model.parallel_layers import kv_heads_per_rank
 
 
-def bytes_per_block(cfg: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of one block across all layers: 2 * L * block_size * Hkv * D * bytes."""
+def bytes_per_block(cfg: ModelArchConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """K and V of one block across all layers on one rank: 2 * L * block_size * Hkv_rank * D * bytes."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * element
+    heads = kv_heads_per_rank(cfg.num_key_value_heads, tp_size)
+    return 2 * cfg.num_hidden_layers * block_size * heads * cfg.head_dim * element
 
 
 def allocate_kv_caches(
-    cfg: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    cfg: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+    tp_size: int = 1,
 ) -> torch.Tensor:
-    """One [layers, 2, num_blocks, block_size, Hkv, D] tensor (K then V);
+    """One [layers, 2, num_blocks, block_size, Hkv_rank, D] tensor (K then V);
     layer l's cache is the contiguous view ``[l]``. One tensor lets the KV
     connector move a block across all layers with a single index_select.
 
     Zeroed, not empty: attention masks unwritten slots, but a masked NaN
     from uninitialised memory would still poison the weighted sum.
     """
-    shape = (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    heads = kv_heads_per_rank(cfg.num_key_value_heads, tp_size)
+    shape = (cfg.num_hidden_layers, 2, num_blocks, block_size, heads, cfg.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)

@@ -5,6 +5,11 @@ scheduler sends only what changed; it flattens every scheduled token of the
 step into one batch (no padding), builds positions, slot mapping and block
 tables, runs the model, and samples for the requests whose scheduled tokens
 reach the end of what they have.
+
+Under tensor parallelism every rank runs one of these on the same scheduler
+output: the same batch, its own shard of the model and of the KV heads.
+Rank 0 samples from the gathered logits and broadcasts the sampled ids, so
+every rank's request states (the tokens of the next step) stay identical.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 
 from engine_pod.attention.backend import AttentionMetadata, get_attention_backend
 from engine_pod.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine_pod.distributed.parallel_state import TensorParallelGroup, single_rank_group
 from engine_pod.core.scheduler_output import (
     Logprobs,
     ModelRunnerOutput,
@@ -47,9 +53,10 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, group: TensorParallelGroup | None = None) -> None:
         self.config = config
-        self.device = config.device
+        self.group = group or single_rank_group(config.device)
+        self.device = self.group.device
         self.dtype = config.model.dtype
         self.arch = config.model.arch
         self.block_size = config.cache.block_size
@@ -59,7 +66,8 @@ class ModelRunner:
             keep_freed_memory_in_heap()
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.model = build_model(
-            self.arch, config.model.path, config.model.max_model_len, self.dtype, self.device, self.backend
+            self.arch, config.model.path, config.model.max_model_len, self.dtype, self.device, self.backend,
+            self.group,
         )
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
@@ -71,7 +79,26 @@ class ModelRunner:
 
     # -- KV cache ---------------------------------------------------------
     def bytes_per_block(self) -> int:
-        return bytes_per_block(self.arch, self.block_size, self.dtype)
+        return bytes_per_block(self.arch, self.block_size, self.dtype, self.group.world_size)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the parameters this rank holds."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def resident_memory(self) -> dict[str, int]:
+        """This process's resident and peak resident bytes (Linux), for the
+        per-rank memory benchmark."""
+        fields = {"VmRSS": "rss_bytes", "VmHWM": "peak_rss_bytes"}
+        out = {}
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key in fields:
+                        out[fields[key]] = int(value.split()[0]) * 1024
+        except OSError:
+            pass
+        return out
 
     def determine_num_blocks(self) -> int:
         """An explicit byte budget wins on any device; otherwise CUDA profiles
@@ -91,7 +118,9 @@ class ModelRunner:
         num_blocks = sum(-(-n // self.block_size) for n in lens)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        caches = list(allocate_kv_caches(self.arch, num_blocks, self.block_size, self.dtype, self.device))
+        caches = list(allocate_kv_caches(
+            self.arch, num_blocks, self.block_size, self.dtype, self.device, self.group.world_size
+        ))
         block_ids, next_block = [], 0
         for n in lens:
             nb = -(-n // self.block_size)
@@ -115,7 +144,9 @@ class ModelRunner:
         return int(budget)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_cache = allocate_kv_caches(self.arch, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_cache = allocate_kv_caches(
+            self.arch, num_blocks, self.block_size, self.dtype, self.device, self.group.world_size
+        )
         self.kv_caches = list(self.kv_cache.unbind(0))
 
     def attach_kv_store(self, store: TieredKVStore) -> None:
@@ -137,10 +168,22 @@ class ModelRunner:
         self.forward_seconds += time.perf_counter() - start
         if connector_meta:
             self.kv_connector.after_forward(connector_meta)
-        if logits is None:
+        if not batch.sampling_states:
             return ModelRunnerOutput({})
+        if not self.group.is_first:
+            return self._follow_first_rank(batch.sampling_states)
         out = self.sampler(logits, self._sampling_metadata(batch.sampling_states))
+        if self.group.world_size > 1:
+            self.group.broadcast_from_first(out.sampled.to(torch.int64).contiguous())
         return self._to_output(batch.sampling_states, out)
+
+    def _follow_first_rank(self, states: list[CachedRequestState]) -> ModelRunnerOutput:
+        """A rank other than 0: take the tokens rank 0 sampled; the engine
+        reads its results from rank 0 only."""
+        sampled = torch.empty(len(states), dtype=torch.int64, device=self.device)
+        for state, token in zip(states, self.group.broadcast_from_first(sampled).tolist()):
+            state.append_output(token)
+        return ModelRunnerOutput({})
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:

@@ -8,7 +8,9 @@ import argparse
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="run a benchmark")
     kinds = bench.add_subparsers(dest="bench", required=True)
-    from tessera.bench import gateway_overhead, grpc_stream, kv_store, prefix_cache, routing, serve, throughput
+    from tessera.bench import (
+        gateway_overhead, grpc_stream, kv_store, prefix_cache, routing, serve, throughput, tp_memory, tp_overhead,
+    )
 
     throughput.add_parser(kinds)
     prefix_cache.add_parser(kinds)
@@ -17,6 +19,8 @@ def add_bench_parser(sub) -> None:
     routing.add_parser(kinds)
     gateway_overhead.add_parser(kinds)
     serve.add_parser(kinds)
+    tp_overhead.add_parser(kinds)
+    tp_memory.add_parser(kinds)
     bench.set_defaults(func=run_bench)
 
 

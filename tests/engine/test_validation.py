@@ -188,7 +188,7 @@ def test_pool_smaller_than_one_sequence(tiny_llama):
         (dict(scheduling_policy="lifo"), "scheduling_policy"),
         (dict(dtype="float8"), "dtype"),
         (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes"),
-        (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+        (dict(tensor_parallel_size=3), "tensor_parallel_size"),  # 4 heads
     ],
 )
 def test_bad_engine_arguments(tiny_llama, kwargs, field):

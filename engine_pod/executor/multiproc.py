@@ -1,0 +1,243 @@
+"""Tensor parallelism: one worker process per rank behind one ``execute_model``.
+
+Workers are spawned once (spawn, not fork: a forked copy of a process that
+already runs torch threads or CUDA is unsafe). Each call is broadcast to
+every rank through a shared-memory ring (distributed/shm_broadcast.py);
+results come back from rank 0 over its pipe. The engine core sees the same
+interface as at TP=1 and never learns how many workers there are.
+
+Failure: while waiting, the executor watches every worker's pipe and process
+sentinel together, so a worker that raises (its traceback arrives on its
+pipe) or dies (its sentinel fires) fails the call at once with that cause;
+the remaining workers are stopped before the error is raised, and every later
+call raises the same error. Workers watch their parent in turn and exit if it
+disappears, so no process outlives the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+
+import torch
+
+from engine_pod.config import EngineConfig
+from engine_pod.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine_pod.distributed.shm_broadcast import BroadcastWriter
+from engine_pod.executor.abstract import Executor
+from engine_pod.worker.worker_process import SHUTDOWN, WorkerCall, WorkerReply, WorkerSpec, run_worker
+
+logger = logging.getLogger(__name__)
+
+# Loading a large checkpoint on a busy machine can take minutes.
+START_TIMEOUT_SECONDS = 600.0
+# Graceful stop, then SIGTERM, then SIGKILL, each waited for this long.
+STOP_GRACE_SECONDS = 5.0
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker died or raised: the engine cannot continue."""
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: mp.process.BaseProcess
+    replies: Connection
+
+
+def _stop_workers(workers: list[_Worker], channel: BroadcastWriter, rendezvous_dir: str, graceful: bool) -> None:
+    """Stop every worker and release what they shared. Holds no reference to
+    the executor, so it can also run as its finalizer at interpreter exit."""
+    if graceful and all(w.process.is_alive() for w in workers):
+        try:
+            channel.write(WorkerCall(SHUTDOWN), check_alive=lambda: None)
+        except Exception:  # noqa: BLE001 - stopping anyway
+            pass
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for w in workers:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+    for w in workers:
+        if w.process.is_alive():
+            w.process.terminate()
+    for w in workers:
+        w.process.join(STOP_GRACE_SECONDS)
+        if w.process.is_alive():
+            w.process.kill()
+            w.process.join()
+        w.replies.close()
+    channel.close()
+    shutil.rmtree(rendezvous_dir, ignore_errors=True)
+
+
+class MultiProcExecutor(Executor):
+    def __init__(self, config: EngineConfig, world_size: int | None = None) -> None:
+        """``world_size`` defaults to the configured TP size (the overhead
+        benchmark runs one rank through this executor)."""
+        self.world_size = world_size or config.parallel.tensor_parallel_size
+        self._failure: str | None = None
+        self._starting = True
+        self._forward_seconds = 0.0
+        # Wall time of execute_model calls minus the time the worker spent in
+        # them: what the broadcast and the result pipe cost.
+        self.channel_seconds = 0.0
+        self.num_steps = 0
+        self.last_broadcast_bytes = 0
+        ctx = mp.get_context("spawn")
+        self._channel = BroadcastWriter(ctx, self.world_size)
+        self._rendezvous_dir = tempfile.mkdtemp(prefix="tessera-tp-")
+        threads = config.parallel.worker_threads or max(1, torch.get_num_threads() // self.world_size)
+        self._workers: list[_Worker] = []
+        # Registered before the first spawn, so a failure part-way through
+        # still stops the workers already started (and runs at interpreter exit).
+        self._finalizer = weakref.finalize(
+            self, _stop_workers, self._workers, self._channel, self._rendezvous_dir, True
+        )
+        for rank in range(self.world_size):
+            receive, send = ctx.Pipe(duplex=False)
+            spec = WorkerSpec(
+                rank, self.world_size, config, os.path.join(self._rendezvous_dir, "store"),
+                self._channel.reader_spec(), send, os.getpid(), threads,
+            )
+            process = ctx.Process(target=run_worker, args=(spec,), name=f"tessera-tp-rank{rank}", daemon=True)
+            process.start()
+            send.close()  # the worker holds the only write end: EOF when it dies
+            self._workers.append(_Worker(rank, process, receive))
+        try:
+            self._collect(range(self.world_size), timeout=START_TIMEOUT_SECONDS)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._channel.unlink()  # every rank has mapped it
+        self._starting = False
+        logger.info("%d tensor-parallel workers ready (pids %s)", self.world_size, self.worker_pids)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers]
+
+    # -- the Executor interface ------------------------------------------
+    def determine_num_blocks(self) -> int:
+        # Every rank must hold every block: the pool is the smallest rank's.
+        return min(self._call_all("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call_all("initialize_kv_cache", num_blocks)
+
+    def attach_kv_store(self, store) -> None:
+        raise ValueError("the KV store is not supported with tensor parallelism yet (each rank needs its shard)")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        self._broadcast(WorkerCall("execute_model", (scheduler_output,)))
+        reply = self._collect([0], timeout=None)[0]
+        self.channel_seconds += time.perf_counter() - start - reply.call_seconds
+        self.num_steps += 1
+        return reply.value
+
+    def collective_rpc(self, method: str, *args) -> list:
+        return self._call_all(method, *args)
+
+    @property
+    def forward_seconds(self) -> float:
+        return self._forward_seconds
+
+    def shutdown(self) -> None:
+        self._finalizer()  # runs once; later calls are no-ops
+
+    # -- plumbing ----------------------------------------------------------
+    def _call_all(self, method: str, *args) -> list:
+        self._broadcast(WorkerCall(method, args, all_ranks_reply=True))
+        replies = self._collect(range(self.world_size), timeout=None)
+        return [replies[rank].value for rank in range(self.world_size)]
+
+    def _broadcast(self, call: WorkerCall) -> None:
+        if self._failure is not None:
+            raise WorkerError(self._failure)
+        self.last_broadcast_bytes = self._channel.write(call, check_alive=self._check_alive)
+
+    def _check_alive(self) -> None:
+        for w in self._workers:
+            if not w.process.is_alive():
+                self._collect_pending_errors()
+                self._fail(self._death_message(w))
+
+    def _collect(self, ranks, timeout: float | None) -> dict[int, WorkerReply]:
+        """Replies of ``ranks``, failing at once if any worker raises or dies."""
+        pending = set(ranks)
+        replies: dict[int, WorkerReply] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        by_conn = {w.replies: w for w in self._workers}
+        by_sentinel = {w.process.sentinel: w for w in self._workers}
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait([*by_conn, *by_sentinel], timeout=remaining)
+            if not ready:
+                self._fail(f"tensor-parallel workers {sorted(pending)} did not answer within {timeout:.0f}s")
+            # Pipes first: a worker that raised sends its traceback, then dies.
+            for conn in (r for r in ready if r in by_conn):
+                reply = self._receive(by_conn[conn])
+                if reply.kind == "error":
+                    self._fail_with_error(by_conn[conn], reply.value)
+                self._forward_seconds = max(self._forward_seconds, reply.forward_seconds)
+                replies[by_conn[conn].rank] = reply
+                pending.discard(by_conn[conn].rank)
+            for sentinel in (r for r in ready if r in by_sentinel):
+                worker = by_sentinel[sentinel]
+                if worker.replies.poll():
+                    continue  # read its last words on the next round
+                self._fail(self._death_message(worker))
+        return replies
+
+    def _receive(self, worker: _Worker) -> WorkerReply:
+        try:
+            return worker.replies.recv()
+        except (EOFError, OSError):
+            worker.process.join(1.0)
+            self._fail(self._death_message(worker))
+
+    def _collect_pending_errors(self) -> None:
+        for w in self._workers:
+            if w.replies.poll():
+                try:
+                    reply = w.replies.recv()
+                except (EOFError, OSError):
+                    continue
+                if reply.kind == "error":
+                    self._fail_with_error(w, reply.value)
+
+    def _fail_with_error(self, worker: _Worker, error: str):
+        """A rank's traceback; but when another rank died silently, that death
+        is the cause (the survivors' collectives fail because of it)."""
+        message = f"tensor-parallel worker rank {worker.rank} failed:\n{error}"
+        for other in self._workers:
+            if other is not worker and not other.process.is_alive() and not other.replies.poll():
+                message = f"{self._death_message(other)}; rank {worker.rank} then failed:\n{error}"
+                break
+        self._fail(message)
+
+    def _death_message(self, worker: _Worker) -> str:
+        worker.process.join(1.0)  # let the exit code settle
+        code = worker.process.exitcode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        message = f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) {how}"
+        if self._starting:
+            message += (" during start-up (its stderr shows why; a script that builds a tensor-parallel engine "
+                        "needs an `if __name__ == '__main__':` guard, since spawned workers import it)")
+        return message
+
+    def _fail(self, message: str):
+        """Stop every worker, remember why, and raise it (now and on every later call)."""
+        if self._failure is None:
+            self._failure = message
+            logger.error("%s; stopping the other workers", message)
+            self._finalizer.detach()
+            _stop_workers(self._workers, self._channel, self._rendezvous_dir, graceful=False)
+        raise WorkerError(self._failure)

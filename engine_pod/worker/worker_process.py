@@ -1,0 +1,94 @@
+"""The main of one tensor-parallel worker process (one per rank).
+
+It joins the process group, builds its shard of the model, reports ready,
+then runs whatever the executor broadcasts until told to stop. Only rank 0
+answers ordinary calls (its results are the engine's); every rank answers
+calls that need all of them (the KV block count, start-up), and any rank
+reports its own failure, so the executor can fail fast with the worker's own
+traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from engine_pod.config import EngineConfig
+from engine_pod.distributed.parallel_state import destroy_tensor_parallel_group, init_tensor_parallel_group
+from engine_pod.distributed.shm_broadcast import BroadcastReader, ChannelSpec
+
+
+@dataclass
+class WorkerSpec:
+    rank: int
+    world_size: int
+    config: EngineConfig
+    rendezvous_path: str  # torch.distributed FileStore
+    channel: ChannelSpec
+    replies: Connection  # this rank's pipe back to the executor
+    parent_pid: int
+    torch_threads: int | None
+
+
+@dataclass
+class WorkerCall:
+    """One broadcast message: a ModelRunner method to run on every rank."""
+
+    method: str
+    args: tuple = ()
+    all_ranks_reply: bool = False
+
+
+SHUTDOWN = "shutdown"
+
+
+@dataclass
+class WorkerReply:
+    kind: str  # "ready", "ok" or "error"
+    value: object = None
+    call_seconds: float = 0.0  # time the call took in the worker (overhead attribution)
+    forward_seconds: float = 0.0  # the runner's running total
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    # Ctrl-C reaches the whole process group; the executor decides when its
+    # workers stop (and stops them in order), so ignore it here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def check_parent() -> None:
+        # Reparented: the engine process is gone, nobody will stop us.
+        if os.getppid() != spec.parent_pid:
+            os._exit(1)
+
+    try:
+        from engine_pod.worker.model_runner import ModelRunner
+
+        if spec.torch_threads and spec.config.device.type == "cpu":
+            torch.set_num_threads(spec.torch_threads)
+        group = init_tensor_parallel_group(spec.rank, spec.world_size, spec.rendezvous_path, spec.config.device)
+        runner = ModelRunner(spec.config, group)
+        reader = BroadcastReader(spec.channel, spec.rank)
+    except BaseException:  # noqa: BLE001 - reported to the executor, which raises it
+        spec.replies.send(WorkerReply("error", traceback.format_exc()))
+        raise SystemExit(1) from None
+    spec.replies.send(WorkerReply("ready"))
+    while True:
+        call: WorkerCall = reader.read(check_parent)
+        if call.method == SHUTDOWN:
+            break
+        start = time.perf_counter()
+        try:
+            value = getattr(runner, call.method)(*call.args)
+        except BaseException:  # noqa: BLE001
+            spec.replies.send(WorkerReply("error", traceback.format_exc()))
+            raise SystemExit(1) from None
+        if call.all_ranks_reply or spec.rank == 0:
+            spec.replies.send(WorkerReply("ok", value, time.perf_counter() - start, runner.forward_seconds))
+    reader.close()
+    destroy_tensor_parallel_group()
