@@ -129,7 +129,7 @@ def _model() -> Schema:
 
 def _engine() -> Schema:
     return obj("Settings every engine pod shares.", {
-        "tensorParallelSize": integer("GPUs one engine spans (tensor parallelism; engine pods run only 1 so far).",
+        "tensorParallelSize": integer("GPUs one engine spans (tensor parallelism: one worker process per rank).",
                                       default=1, minimum=1, maximum=16),
         "blockSize": integer("Tokens per KV block; the gateway hashes prompts in blocks of the same size.",
                              default=16, minimum=1, maximum=256),

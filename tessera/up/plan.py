@@ -124,6 +124,7 @@ def _warnings(spec: dict) -> list[str]:
     if spec["gateway"].get("tenantsSecretRef"):
         out.append("gateway.tenantsSecretRef names a Kubernetes Secret; locally, pass --tenants-file "
                    "(without it the gateway runs open access)")
-    if spec["engine"]["tensorParallelSize"] != 1:
-        out.append("engine.tensorParallelSize > 1: the engine serves TP=1 only for now")
+    if spec["engine"]["tensorParallelSize"] != 1 and (spec["kvStore"].get("redis")
+                                                      or spec["kvStore"].get("hostMemory") not in (0, "0")):
+        out.append("engine.tensorParallelSize > 1 with kvStore tiers: engine pods refuse this combination for now")
     return out

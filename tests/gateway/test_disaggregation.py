@@ -29,9 +29,11 @@ def pd_platform(tiny_llama, tmp_path_factory):
     redis = RedisServer(work)
     redis_args = ["--kv-redis-url", redis.url]
     try:
+        # The decode pod runs one sequence at a time, so a request of 8 choices
+        # lasts seconds and the cancellation test cannot race its end.
         with EnginePodProcess(tiny_llama, POD_ARGS + redis_args + ["--role", "prefill"],
                               log_path=work / "prefill.log") as prefill, \
-             EnginePodProcess(tiny_llama, POD_ARGS + redis_args + ["--role", "decode"],
+             EnginePodProcess(tiny_llama, POD_ARGS + redis_args + ["--role", "decode", "--max-num-seqs", "1"],
                               log_path=work / "decode.log") as decode:
             prefill.wait_serving()
             decode.wait_serving()
@@ -113,10 +115,11 @@ def test_a_cancelled_stream_is_aborted_on_every_pod(pd_platform):
         lines = r.iter_lines()
         for _ in range(3):
             next(line for line in lines if line.startswith("data:"))
-        assert _running(decode) == 8
+        assert _running(decode) >= 1
     # The client went away: the decode pod's request is aborted, nothing stays behind.
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and _running(decode) + _running(prefill) > 0:
         time.sleep(0.05)
     assert _running(decode) == 0 and _running(prefill) == 0
-    assert _aborted(decode) == aborted_before + 8
+    # One choice at a time: at most the first finished before the client left.
+    assert _aborted(decode) >= aborted_before + 7

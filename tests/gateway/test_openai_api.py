@@ -242,22 +242,52 @@ def _aborted(pods) -> float:
     return total
 
 
-def test_client_disconnect_aborts_the_engine_request(platform, engine_pods):
-    before = _aborted(engine_pods)
-    # 8 long choices: far more work than fits in the client's 0.3 s of patience.
-    body = {"model": MODEL_NAME, "prompt": "a long answer please", "max_tokens": 230, "n": 8, "ignore_eos": True}
-    headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+def _in_flight(pod) -> int:
+    import grpc
+
+    from tessera.v1 import engine_pb2, engine_pb2_grpc
+
+    with grpc.insecure_channel(pod.address) as channel:
+        report = engine_pb2_grpc.EngineStub(channel).GetLoad(engine_pb2.LoadRequest())
+    return report.num_running + report.num_waiting
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tiny_llama, tmp_path_factory):
+    """A pod that runs one sequence at a time behind its own gateway: 8
+    choices of 200 tokens take seconds however fast the machine is."""
+    from engine_pod.server.process import EnginePodProcess
+    from gateway.process import GatewayProcess
+    from tests.gateway.conftest import POD_ARGS, gateway_config
+
+    work = tmp_path_factory.mktemp("one-at-a-time")
+    with EnginePodProcess(tiny_llama, POD_ARGS + ["--max-num-seqs", "1"], log_path=work / "pod.log") as pod:
+        pod.wait_serving()
+        with GatewayProcess(gateway_config(tiny_llama, [(pod, "mixed")]), work, log_path=work / "gw.log") as gw:
+            gw.wait_ready()
+            yield gw, pod
+
+
+def test_client_disconnect_aborts_the_engine_request(one_at_a_time):
+    gw, pod = one_at_a_time
+    before = _aborted([pod])
+    body = {"model": MODEL_NAME, "prompt": "a long answer please", "max_tokens": 200, "n": 8, "ignore_eos": True}
     # Not streamed: the client gives up waiting for the answer.
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(platform.base_url + "/v1/completions", json=body, headers=headers,
-                   timeout=httpx.Timeout(5.0, read=0.3))
-    # Streamed: the client reads a little and hangs up.
-    with httpx.stream("POST", platform.base_url + "/v1/completions", json={**body, "stream": True},
-                      headers=headers, timeout=10) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")
+        httpx.post(gw.base_url + "/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.3))
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and _aborted(engine_pods) < before + 16:
+    while time.monotonic() < deadline and _in_flight(pod) > 0:
         time.sleep(0.05)
-    assert _aborted(engine_pods) == before + 16
+    assert _in_flight(pod) == 0
+    # One choice at a time: at most the first could have finished in 0.3 s.
+    assert _aborted([pod]) >= before + 7
+    # Streamed: the client reads a little and hangs up.
+    before = _aborted([pod])
+    with httpx.stream("POST", gw.base_url + "/v1/completions", json={**body, "stream": True}, timeout=10) as r:
+        assert r.status_code == 200
+        assert next(r.iter_lines()).startswith("data: ")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _in_flight(pod) > 0:
+        time.sleep(0.05)
+    assert _in_flight(pod) == 0
+    assert _aborted([pod]) >= before + 7
