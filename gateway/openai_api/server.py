@@ -219,15 +219,12 @@ def _stream_error(e: BaseException) -> dict:
     return unavailable(f"the engine pod failed mid-stream: {e}", "engine_failed", None).to_openai()
 
 
-async def _completion_chunks(stream: ResponseStream, model: str, want_logprobs: bool,
-                             include_usage: bool) -> AsyncIterator[dict]:
-    base = {"id": f"cmpl-{stream.id}", "object": "text_completion", "created": stream.created, "model": model}
-    offsets = [0] * len(stream.choices)
+async def _chunks(stream: ResponseStream, base: dict, include_usage: bool, render) -> AsyncIterator[dict]:
+    """SSE events of a stream: one chunk per update (`render` makes its
+    choice), an error event if the engine fails mid-way, then the usage."""
     try:
         async for update in stream:
-            choice = completion_choice(update, want_logprobs, offsets[update.index])
-            offsets[update.index] += len(update.text)
-            yield {**base, "choices": [choice], **({"usage": None} if include_usage else {})}
+            yield {**base, "choices": [render(update)], **({"usage": None} if include_usage else {})}
     except (StreamBroken, GatewayError) as e:
         yield _stream_error(e)
         return
@@ -235,18 +232,28 @@ async def _completion_chunks(stream: ResponseStream, model: str, want_logprobs: 
         yield {**base, "choices": [], "usage": usage_json(stream.usage)}
 
 
-async def _chat_chunks(stream: ResponseStream, model: str, want_logprobs: bool,
+def _completion_chunks(stream: ResponseStream, model: str, want_logprobs: bool,
                        include_usage: bool) -> AsyncIterator[dict]:
+    offsets = [0] * len(stream.choices)  # text_offset of each choice's next token
+
+    def render(update):
+        choice = completion_choice(update, want_logprobs, offsets[update.index])
+        offsets[update.index] += len(update.text)
+        return choice
+
+    base = {"id": f"cmpl-{stream.id}", "object": "text_completion", "created": stream.created, "model": model}
+    return _chunks(stream, base, include_usage, render)
+
+
+def _chat_chunks(stream: ResponseStream, model: str, want_logprobs: bool,
+                 include_usage: bool) -> AsyncIterator[dict]:
+    started = [False] * len(stream.choices)  # the first delta of a choice carries the role
+
+    def render(update):
+        choice = chat_chunk_choice(update, want_logprobs, not started[update.index])
+        started[update.index] = True
+        return choice
+
     base = {"id": f"chatcmpl-{stream.id}", "object": "chat.completion.chunk", "created": stream.created,
             "model": model}
-    started = [False] * len(stream.choices)
-    try:
-        async for update in stream:
-            choice = chat_chunk_choice(update, want_logprobs, not started[update.index])
-            started[update.index] = True
-            yield {**base, "choices": [choice], **({"usage": None} if include_usage else {})}
-    except (StreamBroken, GatewayError) as e:
-        yield _stream_error(e)
-        return
-    if include_usage:
-        yield {**base, "choices": [], "usage": usage_json(stream.usage)}
+    return _chunks(stream, base, include_usage, render)
