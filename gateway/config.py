@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +190,10 @@ def _convert(type_name: str, value: Any, where: str) -> Any:
     if base == "tuple[PriorityClassConfig, ...]":
         return tuple(_build(PriorityClassConfig, item, f"{where}[{i}]")
                      for i, item in enumerate(_as_list(value, where)))
+    if base == "dict[str, str]":
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise GatewayConfigError(f"{where}: expected a mapping of names to names, got {value!r}")
+        return dict(value)
     return _scalar(base, value, where)
 
 
@@ -225,12 +229,3 @@ def load_gateway_config(path: str | Path) -> GatewayConfig:
     except (yaml.YAMLError, json.JSONDecodeError) as e:
         raise GatewayConfigError(f"config: {path} is not valid YAML/JSON: {e}") from None
     return gateway_config_from_dict(data)
-
-
-def with_overrides(config: GatewayConfig, **changes) -> GatewayConfig:
-    return dataclasses.replace(config, **changes)
-
-
-__all__ = [
-    "GatewayConfig", "GatewayConfigError", "load_gateway_config", "gateway_config_from_dict", "field",
-]

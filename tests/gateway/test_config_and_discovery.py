@@ -28,6 +28,8 @@ def test_defaults_and_nested_overrides():
     ({"pods": {}}, "give a static list or kubernetes discovery"),
     ({"model": {"name": "m", "path": "/p", "block_size": 0}}, "model.block_size must be > 0"),
     ({"server": {"http_port": True}}, "server.http_port: expected int"),
+    ({"pods": {"kubernetes": {"namespace": "ml", "services": ["a", "b"]}}},
+     "pods.kubernetes.services: expected a mapping of names to names"),
 ])
 def test_bad_configs_name_the_field(change, message):
     with pytest.raises(GatewayConfigError, match=message.replace("(", r"\(").replace(")", r"\)")
