@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -22,30 +21,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
-    """Runs in the child before exec: its own process group (a terminal's
-    Ctrl-C reaches only the parent, which stops children in order), SIGTERM
-    when the parent dies (no orphans even if the parent is killed), and the
-    CPUs it may run on."""
+PARENT_PID_ENV = "TESSERA_PARENT_PID"
 
-    def setup() -> None:
-        os.setsid()
-        if sys.platform.startswith("linux"):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if cpus:
-            os.sched_setaffinity(0, cpus)
 
-    return setup
+def die_with_parent() -> None:
+    """Called by a child at start-up (tessera.cli): SIGTERM when the parent
+    that started it dies, so a killed parent leaves no orphans. Set here
+    rather than in a preexec_fn: that would make subprocess fork() a parent
+    whose gRPC threads can deadlock the fork."""
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # the parent died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class ChildProcess:
     def __init__(self, args: list[str], env: dict | None = None, log_path: str | Path | None = None,
                  cpus: frozenset[int] | None = None) -> None:
         """Runs `python -m tessera.cli ARGS`, its output appended to `log_path`
-        (or nowhere), pinned to `cpus` when given."""
+        (or nowhere), pinned to `cpus` when given. The child gets its own
+        session (a terminal's Ctrl-C reaches only the parent, which stops
+        children in order) and dies with the parent (`die_with_parent`)."""
         self._log = open(log_path, "a") if log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen([sys.executable, "-m", "tessera.cli", *args], env={**os.environ, **(env or {})},
-                                     stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_child_setup(cpus))
+        env = {**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tessera.cli", *args], env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        if cpus:
+            # Before the child starts its thread pools (model loading takes
+            # seconds), so every thread it creates inherits the CPU set.
+            os.sched_setaffinity(self.proc.pid, cpus)
 
     def check_alive(self, what: str) -> None:
         if self.proc.poll() is not None:
