@@ -13,6 +13,16 @@ import yaml
 from tessera.child_process import ChildProcess, free_port
 
 
+def gateway_health(base_url: str) -> dict | None:
+    """A gateway's /health answer ({"pods": N, ...}); None if it does not
+    answer or answers 503 (no engine pod routable)."""
+    try:
+        with urllib.request.urlopen(base_url + "/health", timeout=1) as r:
+            return json.loads(r.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
 class GatewayProcess(ChildProcess):
     def __init__(self, config: dict, workdir: str | Path, env: dict | None = None,
                  log_path: str | Path | None = None) -> None:
@@ -28,11 +38,7 @@ class GatewayProcess(ChildProcess):
         super().__init__(["gateway", "--config", str(self.config_path), "--drain-timeout", "5"], env, log_path)
 
     def health(self) -> dict | None:
-        try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=1) as r:
-                return json.loads(r.read())
-        except (urllib.error.URLError, OSError, ValueError):
-            return None
+        return gateway_health(self.base_url)
 
     def wait_ready(self, num_pods: int = 1, timeout: float = 60.0) -> None:
         """Until the gateway answers and routes to at least `num_pods` pods."""

@@ -9,18 +9,16 @@ and stops every child; a child that crashes is restarted with back-off.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import yaml
 from grpc_health.v1 import health_pb2
 
 from engine_pod.server.process import health_status
+from gateway.process import gateway_health
 from tessera.child_process import ChildProcess, free_port
 from tessera.up.plan import EngineChild, LocalOptions, LocalPlan, build_plan
 from tessera.up.supervisor import Supervisor
@@ -144,12 +142,8 @@ def _wait_ready(plan: LocalPlan, options: LocalOptions, supervisor: Supervisor, 
 
 
 def _gateway_pods(options: LocalOptions) -> int:
-    try:
-        url = f"http://{_client_host(options)}:{options.http_port}/health"
-        with urllib.request.urlopen(url, timeout=1) as r:
-            return json.loads(r.read()).get("pods", 0)
-    except (urllib.error.URLError, OSError, ValueError):
-        return 0
+    health = gateway_health(f"http://{_client_host(options)}:{options.http_port}")
+    return (health or {}).get("pods", 0)
 
 
 def _client_host(options: LocalOptions) -> str:

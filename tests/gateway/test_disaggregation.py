@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import time
 
-import grpc
 import httpx
 import pytest
 
 from engine_pod import SamplingParams
 from engine_pod.server.process import EnginePodProcess
 from gateway.process import GatewayProcess
+from tests.gateway.observe import aborted, in_flight
 from tests.gateway.conftest import MODEL_NAME, POD_ARGS, gateway_config
-from tessera.v1 import engine_pb2 as epb
-from tessera.v1 import engine_pb2_grpc as epb_grpc
 
 BLOCK = 16
 THRESHOLD = 48
@@ -93,21 +91,9 @@ def test_long_prompts_are_disaggregated_and_match_the_offline_engine(pd_platform
     assert long_out["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt_tokens - 1) // BLOCK * BLOCK
 
 
-def _running(pod) -> int:
-    with grpc.insecure_channel(pod.address) as channel:
-        report = epb_grpc.EngineStub(channel).GetLoad(epb.LoadRequest())
-    return report.num_running + report.num_waiting
-
-
-def _aborted(pod) -> float:
-    text = httpx.get(f"http://127.0.0.1:{pod.metrics_port}/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("tessera:request_success_total{") and 'finished_reason="abort"' in line)
-
-
 def test_a_cancelled_stream_is_aborted_on_every_pod(pd_platform):
     gw, prefill, decode = pd_platform
-    aborted_before = _aborted(decode)
+    aborted_before = aborted(decode)
     prompt = " ".join(f"cancel{i} me early please" for i in range(20))
     with httpx.stream("POST", gw.base_url + "/v1/completions", timeout=60, json={
             "model": MODEL_NAME, "prompt": prompt, "max_tokens": 120, "n": 8, "stream": True, "ignore_eos": True}) as r:
@@ -115,11 +101,11 @@ def test_a_cancelled_stream_is_aborted_on_every_pod(pd_platform):
         lines = r.iter_lines()
         for _ in range(3):
             next(line for line in lines if line.startswith("data:"))
-        assert _running(decode) >= 1
+        assert in_flight(decode) >= 1
     # The client went away: the decode pod's request is aborted, nothing stays behind.
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and _running(decode) + _running(prefill) > 0:
+    while time.monotonic() < deadline and in_flight(decode) + in_flight(prefill) > 0:
         time.sleep(0.05)
-    assert _running(decode) == 0 and _running(prefill) == 0
+    assert in_flight(decode) == 0 and in_flight(prefill) == 0
     # One choice at a time: at most the first finished before the client left.
-    assert _aborted(decode) >= aborted_before + 7
+    assert aborted(decode) >= aborted_before + 7

@@ -10,6 +10,7 @@ import httpx
 
 from engine_pod.server.process import EnginePodProcess
 from gateway.process import GatewayProcess
+from tests.gateway.observe import metric_sum
 from tests.gateway.conftest import MODEL_NAME, POD_ARGS, gateway_config
 
 NUM_REQUESTS = 100
@@ -51,12 +52,6 @@ async def _load(base_url: str, on_started) -> list[dict]:
         return await asyncio.gather(*(one(i) for i in range(NUM_REQUESTS)))
 
 
-def _pod_requests(gw, address: str) -> float:
-    text = httpx.get(gw.base_url + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("tessera:gateway_routing_decisions_total{") and f'pod="{address}"' in line)
-
-
 def test_killed_pod_is_routed_around_and_rejoins(tiny_llama, tmp_path):
     a = EnginePodProcess(tiny_llama, POD_ARGS, log_path=tmp_path / "a.log")
     b = EnginePodProcess(tiny_llama, POD_ARGS, log_path=tmp_path / "b.log")
@@ -91,10 +86,10 @@ def test_killed_pod_is_routed_around_and_rejoins(tiny_llama, tmp_path):
             b = EnginePodProcess(tiny_llama, POD_ARGS, log_path=tmp_path / "b2.log", grpc_port=victim_port)
             b.wait_serving()
             gw.wait_ready(num_pods=2, timeout=30)
-            routed_before = _pod_requests(gw, b.address)
+            routed_before = metric_sum(gw.base_url + "/metrics", "tessera:gateway_routing_decisions_total", pod=b.address)
             again = asyncio.run(_load_few(gw.base_url, 12))
             assert all(r["done"] and r["error"] is None for r in again)
-            assert _pod_requests(gw, b.address) > routed_before
+            assert metric_sum(gw.base_url + "/metrics", "tessera:gateway_routing_decisions_total", pod=b.address) > routed_before
     finally:
         a.terminate()
         b.terminate()

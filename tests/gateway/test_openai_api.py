@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from engine_pod import SamplingParams
+from tests.gateway.observe import aborted, in_flight
 from tests.gateway.conftest import KEYS, MAX_MODEL_LEN, MODEL_NAME, client
 
 PROMPTS = [
@@ -233,25 +234,6 @@ def test_openapi_health_and_metrics(platform):
     assert "tessera:gateway_time_to_first_token_seconds_bucket" in metrics
 
 
-def _aborted(pods) -> float:
-    total = 0.0
-    for pod in pods:
-        text = httpx.get(f"http://127.0.0.1:{pod.metrics_port}/metrics").text
-        total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                     if line.startswith("tessera:request_success_total{") and 'finished_reason="abort"' in line)
-    return total
-
-
-def _in_flight(pod) -> int:
-    import grpc
-
-    from tessera.v1 import engine_pb2, engine_pb2_grpc
-
-    with grpc.insecure_channel(pod.address) as channel:
-        report = engine_pb2_grpc.EngineStub(channel).GetLoad(engine_pb2.LoadRequest())
-    return report.num_running + report.num_waiting
-
-
 @pytest.fixture(scope="module")
 def one_at_a_time(tiny_llama, tmp_path_factory):
     """A pod that runs one sequence at a time behind its own gateway: 8
@@ -270,24 +252,24 @@ def one_at_a_time(tiny_llama, tmp_path_factory):
 
 def test_client_disconnect_aborts_the_engine_request(one_at_a_time):
     gw, pod = one_at_a_time
-    before = _aborted([pod])
+    before = aborted(pod)
     body = {"model": MODEL_NAME, "prompt": "a long answer please", "max_tokens": 200, "n": 8, "ignore_eos": True}
     # Not streamed: the client gives up waiting for the answer.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(gw.base_url + "/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.3))
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and _in_flight(pod) > 0:
+    while time.monotonic() < deadline and in_flight(pod) > 0:
         time.sleep(0.05)
-    assert _in_flight(pod) == 0
+    assert in_flight(pod) == 0
     # One choice at a time: at most the first could have finished in 0.3 s.
-    assert _aborted([pod]) >= before + 7
+    assert aborted(pod) >= before + 7
     # Streamed: the client reads a little and hangs up.
-    before = _aborted([pod])
+    before = aborted(pod)
     with httpx.stream("POST", gw.base_url + "/v1/completions", json={**body, "stream": True}, timeout=10) as r:
         assert r.status_code == 200
         assert next(r.iter_lines()).startswith("data: ")
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and _in_flight(pod) > 0:
+    while time.monotonic() < deadline and in_flight(pod) > 0:
         time.sleep(0.05)
-    assert _in_flight(pod) == 0
-    assert _aborted([pod]) >= before + 7
+    assert in_flight(pod) == 0
+    assert aborted(pod) >= before + 7

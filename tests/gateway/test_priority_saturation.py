@@ -13,6 +13,7 @@ import httpx
 
 from engine_pod.server.process import EnginePodProcess
 from gateway.process import GatewayProcess
+from tests.gateway.observe import metric_sum
 from tests.gateway.conftest import MODEL_NAME, POD_ARGS, gateway_config
 
 # Two sequences at a time per pod, so a few dozen requests saturate them.
@@ -40,14 +41,6 @@ async def _ttft(http: httpx.AsyncClient, base_url: str, pclass: str, i: int) -> 
         return {"class": pclass, "status": 200, "ttft": first}
 
 
-def _metric(gw, name: str, **labels) -> float:
-    total = 0.0
-    for line in httpx.get(gw.base_url + "/metrics").text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_high_class_overtakes_low_and_sheddable_is_refused_first(tiny_llama, tmp_path):
     with EnginePodProcess(tiny_llama, SATURATING_POD_ARGS, log_path=tmp_path / "a.log") as a, \
          EnginePodProcess(tiny_llama, SATURATING_POD_ARGS, log_path=tmp_path / "b.log") as b:
@@ -71,7 +64,7 @@ def test_high_class_overtakes_low_and_sheddable_is_refused_first(tiny_llama, tmp
                     return await asyncio.gather(*tasks)
 
             results = asyncio.run(run())
-            shed = _metric(gw, "tessera:gateway_rejections_total", reason="shed")
+            shed = metric_sum(gw.base_url + "/metrics", "tessera:gateway_rejections_total", reason="shed")
 
     by_class = {c["name"]: [r for r in results if r["class"] == c["name"]] for c in CLASSES}
     # High and low are never refused: they wait in the gateway's queue.

@@ -1,0 +1,35 @@
+"""What the gateway tests read off running processes: Prometheus sums and
+an engine pod's in-flight count."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+
+from tessera.v1 import engine_pb2, engine_pb2_grpc
+
+
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` at a /metrics URL whose labels include `labels`."""
+    total = 0.0
+    for line in httpx.get(url).text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def pod_metrics_url(pod) -> str:
+    return f"http://127.0.0.1:{pod.metrics_port}/metrics"
+
+
+def aborted(*pods) -> float:
+    """Requests the pods finished as aborted."""
+    return sum(metric_sum(pod_metrics_url(p), "tessera:request_success_total", finished_reason="abort")
+               for p in pods)
+
+
+def in_flight(pod) -> int:
+    """Running plus waiting requests of a pod, from its own load report."""
+    with grpc.insecure_channel(pod.address) as channel:
+        report = engine_pb2_grpc.EngineStub(channel).GetLoad(engine_pb2.LoadRequest())
+    return report.num_running + report.num_waiting
