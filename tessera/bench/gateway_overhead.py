@@ -31,7 +31,7 @@ import grpc
 
 from engine_pod.server.process import EnginePodProcess
 from gateway.process import GatewayProcess
-from tessera.bench.routing import percentile, resolve_model, write_report
+from tessera.bench.common import percentile, resolve_model, write_report
 from tessera.v1 import engine_pb2 as epb
 from tessera.v1 import engine_pb2_grpc as epb_grpc
 from tessera.v1 import inference_pb2 as ipb

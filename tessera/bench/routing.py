@@ -32,34 +32,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_pod.server.process import EnginePodProcess
 from gateway.process import GatewayProcess
+from tessera.bench.common import percentile, resolve_model, write_report
 from tessera.fixtures.tokenizer import corpus_lines
 
 MODEL_NAME = "bench"
 POLICIES = ("score", "round_robin")
-DEFAULT_TINY = Path(".cache/bench-models/tiny")
-
-
-# -- shared helpers (gateway_overhead.py uses them too) --------------------
-def resolve_model(path: str | None) -> Path:
-    """The checkpoint to serve: `path`, or the tiny preset built once into
-    .cache (make-model is deterministic, so a cached copy is exact)."""
-    if path:
-        return Path(path)
-    if not (DEFAULT_TINY / "model.safetensors").is_file():
-        from tessera.fixtures import make_model
-
-        tmp = DEFAULT_TINY.with_suffix(".tmp")
-        make_model("tiny", tmp)
-        tmp.rename(DEFAULT_TINY)
-    return DEFAULT_TINY
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]); NaN when there are no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 def scrape(url: str, name: str, label: str | None = None) -> dict[str, float]:
@@ -73,12 +50,6 @@ def scrape(url: str, name: str, label: str | None = None) -> dict[str, float]:
                 key = sample.labels.get(label, "") if label else ""
                 totals[key] = totals.get(key, 0.0) + sample.value
     return totals
-
-
-def write_report(report: dict, path: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
 
 
 # -- the workload -------------------------------------------------------------

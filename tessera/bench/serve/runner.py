@@ -58,7 +58,7 @@ def _tokenizer(args: argparse.Namespace, needed: bool):
     if args.tokenizer:
         path = args.tokenizer
     elif needed:
-        from tessera.bench.routing import resolve_model
+        from tessera.bench.common import resolve_model
 
         path = resolve_model(None)
         print(f"tokenizer: {path} (Tessera's preset tokenizer; pass --tokenizer for another model's)")
