@@ -95,6 +95,7 @@ def test_queue_bound_answers_resource_exhausted(tiny_llama, tmp_path):
     ("--kv-host-bytes", "-1", "kv_host_bytes"),
     ("--kv-redis-url", "http://nope", "kv_redis_url"),
     ("--kv-write-queue-size", "0", "kv_write_queue_size"),
+    ("--cpu-threads", "-1", "cpu_threads"),
 ])
 def test_bad_flags_exit_2_naming_the_field(tiny_llama, flag, value, field):
     proc = subprocess.run(

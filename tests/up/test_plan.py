@@ -120,3 +120,19 @@ def test_supervisor_restarts_with_doubling_backoff_that_resets_when_stable():
     started[-1].proc.code = 1
     sup.check()
     assert child.restart_at - now[0] == 1
+
+
+@pytest.mark.parametrize("text,message", [
+    ("kind: InferenceService\nspec: [", "not valid YAML"),
+    ("kind: Deployment\n", "expected exactly one InferenceService document, found 0"),
+])
+def test_bad_files_are_refused_naming_the_problem(tmp_path, text, message):
+    import subprocess
+    import sys
+
+    path = tmp_path / "isvc.yaml"
+    path.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "tessera.cli", "up", "-f", str(path)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert message in proc.stderr
