@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from engine_pod.attention.backend import check_backend_name
 from engine_pod.core.request_queue import SchedulingPolicy
 from engine_pod.core.scheduler import SchedulerConfig
 from engine_pod.model.hf_config import ModelArchConfig, load_arch_config, parse_dtype
@@ -222,6 +223,7 @@ def create_engine_config(
         policy = SchedulingPolicy(scheduling_policy)
     except ValueError:
         raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}") from None
+    check_backend_name(attention_backend)
     model_len = _resolve_max_model_len(max_model_len, arch)
     return EngineConfig(
         model=ModelConfig(path, arch, _resolve_dtype(dtype, arch, dev), model_len),

@@ -6,8 +6,16 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from tessera.fixtures import make_model
+
+# Triton decides when a kernel is decorated (its module's first import)
+# whether it compiles for the GPU or runs in the numpy interpreter. Without
+# CUDA the interpreter is the only way to run the triton backend's kernels,
+# so it is switched on here, before any test module can import one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _CACHE = Path(os.environ.get("TESSERA_TEST_MODELS", Path(__file__).resolve().parent.parent / ".cache" / "test-models"))
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -54,9 +59,27 @@ class AttentionBackend(ABC):
         over each sequence's whole context, as [T, Hq, D]."""
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_attention_backend(name: str, device: torch.device, head_size: int, dtype: torch.dtype) -> AttentionBackend:
+    """"auto": triton on CUDA when it supports the model, else torch (with a
+    warning on CUDA, where triton was expected); "torch" anywhere; "triton"
+    on CUDA, or on CPU under TRITON_INTERPRET=1, else a start-up error."""
     from engine_pod.attention.torch_backend import TorchAttentionBackend
+    from engine_pod.attention.triton_ops.support import triton_unsupported_reason
 
-    if name in ("auto", "torch"):
+    check_backend_name(name)
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend()
-    raise ValueError(f"attention_backend: {name!r} is not available; choose 'auto' or 'torch'")
+    reason = triton_unsupported_reason(device, head_size, dtype)
+    if reason is None:
+        from engine_pod.attention.triton_backend import TritonAttentionBackend, default_split_rule
+
+        return TritonAttentionBackend(default_split_rule(device))
+    if name == "triton":
+        raise ValueError(f"attention_backend='triton' cannot run here: {reason}")
+    logger.warning("attention_backend=auto: the triton backend cannot run this model (%s); using torch", reason)
+    return TorchAttentionBackend()
+
+
+def check_backend_name(name: str) -> None:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend: {name!r} is not one of {', '.join(map(repr, ATTENTION_BACKENDS))}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from engine_pod.attention.backend import ATTENTION_BACKENDS
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
@@ -20,6 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="auto: triton on CUDA when it supports the model, else torch; triton on CPU needs "
+                        "TRITON_INTERPRET=1 (slow, for tests)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks to split the model across, one worker process each (gloo on CPU, nccl on CUDA)")
     k = parser.add_argument_group("KV store")
@@ -46,6 +51,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
         scheduling_policy=args.scheduling_policy,
+        attention_backend=args.attention_backend,
         kv_host_bytes=args.kv_host_bytes,
         kv_redis_url=args.kv_redis_url,
         kv_redis_ttl=args.kv_redis_ttl,

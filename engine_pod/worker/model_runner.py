@@ -64,7 +64,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
-        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.backend = get_attention_backend(config.attention_backend, self.device, self.arch.head_dim, self.dtype)
         self.model = build_model(
             self.arch, config.model.path, config.model.max_model_len, self.dtype, self.device, self.backend,
             self.group,

@@ -186,6 +186,7 @@ def test_pool_smaller_than_one_sequence(tiny_llama):
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
         (dict(max_num_seqs=0), "max_num_seqs"),
         (dict(scheduling_policy="lifo"), "scheduling_policy"),
+        (dict(attention_backend="flash"), "attention_backend"),
         (dict(dtype="float8"), "dtype"),
         (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes"),
         (dict(tensor_parallel_size=3), "tensor_parallel_size"),  # 4 heads

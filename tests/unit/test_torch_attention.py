@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine_pod.attention.torch_backend import TorchAttentionBackend
-from tests.unit.attention_cases import make_step, reference_attention
+from tessera.fixtures.attention_cases import make_step, reference_attention
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])

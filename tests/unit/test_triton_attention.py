@@ -1,0 +1,89 @@
+"""The triton attention backend's kernels against the torch backend and the
+float64 reference, on the shared randomized cases (under TRITON_INTERPRET=1
+on CPU, see tests/conftest.py; natively on CUDA), and its launch planning."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine_pod.attention.torch_backend import TorchAttentionBackend
+from engine_pod.attention.triton_ops.plan import KernelShape, SplitRule, plan_step, query_tiles
+from tessera.fixtures.attention_cases import (
+    CORRECTNESS_CASES, NO_SPLIT_RULE, TEST_SPLIT_RULE, TOLERANCES, build_case, reference_attention,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("case", CORRECTNESS_CASES, ids=lambda c: c.id)
+def test_kernels_match_torch_backend(case):
+    from engine_pod.attention.triton_backend import TritonAttentionBackend
+
+    step = build_case(case, DEVICE)
+    torch_cache = step.kv_cache.clone()
+    backend = TritonAttentionBackend(TEST_SPLIT_RULE if case.split else NO_SPLIT_RULE)
+    out = backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata, step.scale)
+    decode_launch = step.metadata.backend_cache["triton_launches"][0]
+    assert (decode_launch.plan.num_splits > 1) == case.split
+
+    step.metadata.backend_cache.clear()
+    expected = TorchAttentionBackend().forward(
+        step.query, step.key, step.value, torch_cache, step.metadata, step.scale
+    )
+    # The cache write is a copy: bit for bit the torch backend's.
+    assert torch.equal(step.kv_cache, torch_cache)
+    tol = TOLERANCES[case.dtype]
+    assert torch.allclose(out.float(), expected.float(), atol=tol, rtol=tol), (out.float() - expected.float()).abs().max()
+    ref = reference_attention(step.query.cpu(), step.kv_cache.cpu(), step.metadata, step.tables, step.scale)
+    assert torch.allclose(out.cpu().double(), ref, atol=tol, rtol=tol), (out.cpu().double() - ref).abs().max()
+
+
+def test_layers_reuse_the_step_plan():
+    from engine_pod.attention.triton_backend import TritonAttentionBackend
+
+    case = next(c for c in CORRECTNESS_CASES if c.split and c.num_heads // c.num_kv_heads == 8)
+    step = build_case(case, DEVICE)
+    backend = TritonAttentionBackend(TEST_SPLIT_RULE)
+    first = backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata, step.scale)
+    launches = step.metadata.backend_cache["triton_launches"]
+    # A second layer of the same step: same plan objects, same result.
+    second = backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata, step.scale)
+    assert step.metadata.backend_cache["triton_launches"] is launches
+    assert torch.equal(first, second)
+
+
+def test_query_tiles_cover_every_token_once():
+    q_lens = np.array([5, 1, 8, 9])
+    seqs, starts = query_tiles(q_lens, first_seq=3, block_q=4)
+    assert seqs.tolist() == [3, 3, 4, 5, 5, 6, 6, 6]
+    assert starts.tolist() == [0, 4, 0, 0, 4, 0, 4, 8]
+
+
+@pytest.mark.parametrize(
+    "num_decodes, max_context, expected",
+    [
+        (1, 32768, 64),  # one long sequence: as many splits as allowed
+        (4, 32768, 17),  # ceil(2 waves x 132 SMs / 16 programs)
+        (64, 4096, 1),  # 512 programs already fill 132 SMs
+        (1, 511, 1),  # under two splits' worth of keys
+        (1, 1024, 4),  # bounded by min_keys_per_split
+    ],
+)
+def test_split_rule(num_decodes, max_context, expected):
+    rule = SplitRule(num_sms=132, min_keys_per_split=256)
+    assert rule.num_splits(num_decodes, num_kv_heads=4, max_context=max_context) == expected
+
+
+def test_plan_splits_decodes_only_and_covers_the_longest_context():
+    shape = KernelShape(num_heads=32, num_kv_heads=8, head_dim=128)
+    q_lens = np.array([1, 1, 300])
+    seq_lens = np.array([4000, 17, 300])
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    decode, prefill = plan_step(qsl, seq_lens, 2, shape, SplitRule(num_sms=132))
+    assert decode.num_splits > 1 and decode.split_len % 16 == 0
+    assert (decode.num_splits - 1) * decode.split_len < 4000 <= decode.num_splits * decode.split_len
+    assert decode.tile_seq.tolist() == [0, 1]
+    assert prefill.num_splits == 1 and set(prefill.tile_seq.tolist()) == {2}
+    assert len(prefill.tile_seq) * prefill.block_q >= 300
