@@ -28,3 +28,7 @@ TESSERA_TEST_DEVICE=cuda $PY -m pytest tests/engine/test_hf_parity.py -q -x -p n
 echo "== benchmarks on CUDA (bfloat16)"
 $PY -m tessera.cli bench throughput --model models/bench --dtype bfloat16 --device cuda --output "$OUT/throughput_gpu.json" 2>&1 | grep -v -i "warn\|indices\|Loading weights"
 $PY -m tessera.cli bench prefix-cache --model models/bench --dtype bfloat16 --device cuda --output "$OUT/prefix_cache_gpu.json" 2>&1 | grep -v -i "warn\|indices\|Loading weights"
+
+echo "== triton attention kernels on CUDA: the CPU suite's cases compiled for the GPU, then the benchmark"
+$PY -m pytest tests/unit/test_triton_attention.py tests/engine/test_triton_backend.py -q -x -p no:cacheprovider 2>&1 | tail -4
+$PY -m tessera.cli bench kernels --output "$OUT/kernels_gpu.json" 2>"$OUT/kernels_gpu.log"

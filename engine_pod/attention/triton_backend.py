@@ -30,7 +30,9 @@ def default_split_rule(device: torch.device) -> SplitRule:
 
 
 @dataclass
-class _Launch:
+class Launch:
+    """A planned launch with its tile map (and split buffers) on the device."""
+
     plan: LaunchPlan
     tile_seq: torch.Tensor
     tile_q_start: torch.Tensor
@@ -38,8 +40,8 @@ class _Launch:
     partials: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def _device_launch(plan: LaunchPlan, device: torch.device, num_heads: int, head_dim: int) -> _Launch:
-    launch = _Launch(
+def _device_launch(plan: LaunchPlan, device: torch.device, num_heads: int, head_dim: int) -> Launch:
+    launch = Launch(
         plan,
         torch.from_numpy(plan.tile_seq).to(device, non_blocking=True),
         torch.from_numpy(plan.tile_q_start).to(device, non_blocking=True),
@@ -62,16 +64,22 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        for launch in self._launches(query, kv_cache, metadata):
+        self.attend(out, query, kv_cache, metadata, scale)
+        return out
+
+    def attend(self, out, query, kv_cache, metadata: AttentionMetadata, scale: float) -> None:
+        """The attention alone, into ``out``, once the cache holds the step's
+        K/V (``tessera bench kernels`` times this)."""
+        for launch in self.launches(query, kv_cache, metadata):
             paged_attention(
                 out, query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
                 launch.tile_seq, launch.tile_q_start, launch.plan, scale, launch.partials,
             )
             if launch.partials is not None:
                 reduce_splits(out, *launch.partials)
-        return out
 
-    def _launches(self, query, kv_cache, md: AttentionMetadata) -> list[_Launch]:
+    def launches(self, query, kv_cache, md: AttentionMetadata) -> list[Launch]:
+        """The step's launches, planned on its first layer."""
         launches = md.backend_cache.get("triton_launches")
         if launches is None:
             num_heads, head_dim = query.shape[1], query.shape[2]

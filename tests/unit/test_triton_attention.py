@@ -8,36 +8,22 @@ import numpy as np
 import pytest
 import torch
 
-from engine_pod.attention.torch_backend import TorchAttentionBackend
 from engine_pod.attention.triton_ops.plan import KernelShape, SplitRule, plan_step, query_tiles
-from tessera.fixtures.attention_cases import (
-    CORRECTNESS_CASES, NO_SPLIT_RULE, TEST_SPLIT_RULE, TOLERANCES, build_case, reference_attention,
-)
+from tessera.fixtures.attention_cases import CORRECTNESS_CASES, TEST_SPLIT_RULE, TOLERANCES, build_case, run_case
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.parametrize("case", CORRECTNESS_CASES, ids=lambda c: c.id)
 def test_kernels_match_torch_backend(case):
-    from engine_pod.attention.triton_backend import TritonAttentionBackend
-
-    step = build_case(case, DEVICE)
-    torch_cache = step.kv_cache.clone()
-    backend = TritonAttentionBackend(TEST_SPLIT_RULE if case.split else NO_SPLIT_RULE)
-    out = backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata, step.scale)
-    decode_launch = step.metadata.backend_cache["triton_launches"][0]
-    assert (decode_launch.plan.num_splits > 1) == case.split
-
-    step.metadata.backend_cache.clear()
-    expected = TorchAttentionBackend().forward(
-        step.query, step.key, step.value, torch_cache, step.metadata, step.scale
-    )
+    result = run_case(case, DEVICE)
     # The cache write is a copy: bit for bit the torch backend's.
-    assert torch.equal(step.kv_cache, torch_cache)
+    assert result.cache_equal
+    assert (result.num_splits > 1) == case.split, result.num_splits
     tol = TOLERANCES[case.dtype]
-    assert torch.allclose(out.float(), expected.float(), atol=tol, rtol=tol), (out.float() - expected.float()).abs().max()
-    ref = reference_attention(step.query.cpu(), step.kv_cache.cpu(), step.metadata, step.tables, step.scale)
-    assert torch.allclose(out.cpu().double(), ref, atol=tol, rtol=tol), (out.cpu().double() - ref).abs().max()
+    assert result.err_vs_torch <= tol, result
+    assert result.err_vs_reference <= tol, result
+    assert result.passed
 
 
 def test_layers_reuse_the_step_plan():
