@@ -7,7 +7,8 @@ Three parts, one JSON report:
 - decode attention (Llama-8B heads: 32 query, 8 KV, dim 128; bf16) over a
   grid of batch sizes and context lengths, the triton backend's attention
   over a scattered paged cache against ``scaled_dot_product_attention`` on
-  the same K/V laid out contiguously ([B, Hkv, L, D], GQA without copies),
+  the same K/V laid out contiguously ([B, Hkv, L, D]; each KV head's query
+  heads as its query rows, so no K/V copies per query head),
   with the K/V bytes each reads per second next to the device's peak;
 - one mixed step (decodes with long contexts plus prefill chunks over cached
   prefixes), the triton backend against the torch backend, cache write
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 
@@ -143,17 +146,21 @@ def _decode_row(shape: DecodeShape, heads: Heads, block_size: int, dtype, device
     backend = TritonAttentionBackend(rule)
     backend.attend(out, q, cache, md, scale)  # plans the step and compiles
     splits = md.backend_cache["triton_launches"][0].plan.num_splits
-    triton_ms = _median_ms(lambda: backend.attend(out, q, cache, md, scale))
+    triton_ms = _median_ms(partial(backend.attend, out, q, cache, md, scale))
     k = _contiguous(cache[0], md.block_table, shape.context)
     v = _contiguous(cache[1], md.block_table, shape.context)
-    del cache
-    q4 = q.unsqueeze(2)  # [B, Hq, 1, D]
-    # The fused kernels only: the math fallback would copy K/V per query head.
+    del cache  # the contiguous copies take its place
+    # One query token per sequence: the GQA group's query heads become the
+    # query rows of their KV head, with no mask, so SDPA reads each K/V row
+    # once (no copies per query head, no enable_gqa needed).
+    group = heads.num_heads // heads.num_kv_heads
+    q_rows = q.view(shape.batch, heads.num_kv_heads, group, heads.head_dim)
+    # The fused kernels only: the math fallback would materialise the scores.
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
         def sdpa():
-            return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
+            return F.scaled_dot_product_attention(q_rows, k, v, scale=scale)
 
-        expected = sdpa().squeeze(2)
+        expected = sdpa().reshape(shape.batch, heads.num_heads, heads.head_dim)
         sdpa_ms = _median_ms(sdpa)
     nbytes = kv_bytes_read(md.seq_lens_cpu, heads, q.element_size())
     return dict(
@@ -177,13 +184,15 @@ def _decode_grid(args, heads: Heads, device, rule) -> list[dict]:
     return rows
 
 
-def _mixed_step(heads: Heads, block_size: int, device, rule) -> dict:
+# 64 decodes at 4k context, two 512-token chunks after 1k cached tokens
+# (chunked prefill), one fresh 1k-token prefill: (num_cached, num_new).
+MIXED_STEP = [(4095, 1)] * 64 + [(1024, 512)] * 2 + [(0, 1024)]
+
+
+def _mixed_step(seqs, heads: Heads, block_size: int, device, rule) -> dict:
     from engine_pod.attention.torch_backend import TorchAttentionBackend
     from engine_pod.attention.triton_backend import TritonAttentionBackend
 
-    # 64 decodes at 4k context, two 512-token chunks after 1k cached tokens
-    # (chunked prefill), one fresh 1k-token prefill.
-    seqs = [(4095, 1)] * 64 + [(1024, 512)] * 2 + [(0, 1024)]
     md, _, cache = _paged_step(seqs, heads, block_size, torch.bfloat16, device)
     T = md.num_actual_tokens
     q = torch.randn(T, heads.num_heads, heads.head_dim, dtype=torch.bfloat16, device=device)
@@ -195,7 +204,8 @@ def _mixed_step(heads: Heads, block_size: int, device, rule) -> dict:
     expected = torch_backend.forward(q, k, v, cache, md, scale)
     triton_ms = _median_ms(lambda: triton_backend.forward(q, k, v, cache, md, scale))
     torch_ms = _median_ms(lambda: torch_backend.forward(q, k, v, cache, md, scale))
-    return dict(seqs="64 x (4095 cached + 1), 2 x (1024 cached + 512), 1 x (0 + 1024)", tokens=T,
+    described = ", ".join(f"{n} x ({c} cached + {new})" for (c, new), n in Counter(seqs).items())
+    return dict(seqs=described, tokens=T,
                 triton_ms=triton_ms, torch_backend_ms=torch_ms, speedup=torch_ms / triton_ms,
                 max_abs_diff_vs_torch=float((got.float() - expected.float()).abs().max()))
 
@@ -218,7 +228,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"correctness: {len(report['correctness']) - len(failed)}/{len(report['correctness'])} cases pass"
           + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     report["decode"] = _decode_grid(args, heads, device, rule)
-    report["mixed_step"] = _mixed_step(heads, args.block_size, device, rule)
+    report["mixed_step"] = _mixed_step(MIXED_STEP, heads, args.block_size, device, rule)
     print(f"\n{name}, peak HBM {peak if peak else 'unknown (pass --peak-bandwidth-tbs)'} TB/s, bf16, "
           f"{heads.num_heads} query / {heads.num_kv_heads} KV heads, head dim {heads.head_dim}, "
           f"block size {args.block_size}\n")

@@ -78,7 +78,8 @@ def _paged_attention_kernel(
         key_valid = keys < kv_end
         block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         slot = block * stride_c_block + (keys % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head
-        k = tl.load(k_cache_ptr + slot[None, :] + dims[:, None], mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
+        k_mask = key_valid[None, :] & dim_valid[:, None]
+        k = tl.load(k_cache_ptr + slot[None, :] + dims[:, None], mask=k_mask, other=0.0)
         if UPCAST_DOT:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
@@ -90,7 +91,8 @@ def _paged_attention_kernel(
         p = tl.math.exp2(s - m_shift[:, None])
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+        v_mask = key_valid[:, None] & dim_valid[None, :]
+        v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=v_mask, other=0.0)
         # P is rounded to the cache dtype for the second product, as on the GPU.
         p = p.to(v_cache_ptr.dtype.element_ty)
         if UPCAST_DOT:
