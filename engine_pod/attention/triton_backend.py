@@ -55,6 +55,15 @@ def _device_launch(plan: LaunchPlan, device: torch.device, num_heads: int, head_
     return launch
 
 
+def _check_head_dim_contiguous(**tensors: torch.Tensor) -> None:
+    # The kernels address rows through strides but read each head's D values
+    # as one contiguous run.
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"triton attention: {name} must be contiguous in its last (head) dimension, "
+                             f"got stride {t.stride(-1)}")
+
+
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
@@ -62,6 +71,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.split_rule = split_rule
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        _check_head_dim_contiguous(query=query, key=key, value=value, kv_cache=kv_cache)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         self.attend(out, query, kv_cache, metadata, scale)

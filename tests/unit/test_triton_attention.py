@@ -40,6 +40,21 @@ def test_layers_reuse_the_step_plan():
     assert torch.equal(first, second)
 
 
+def test_strided_rows_are_read_through_strides_but_a_strided_head_dim_is_refused():
+    from engine_pod.attention.triton_backend import TritonAttentionBackend
+
+    case = next(c for c in CORRECTNESS_CASES if not c.split and c.dtype == torch.float32)
+    step = build_case(case, DEVICE)
+    backend = TritonAttentionBackend(TEST_SPLIT_RULE)
+    # Rows of a fused QKV projection: every token's query is a strided view.
+    fused = torch.cat([step.query, step.query], dim=1)
+    out = backend.forward(fused[:, : case.num_heads], step.key, step.value, step.kv_cache, step.metadata, step.scale)
+    assert torch.equal(out, backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata, step.scale))
+    wide = torch.stack([step.key, step.key], dim=-1)  # [T, Hkv, D, 2]
+    with pytest.raises(ValueError, match="key must be contiguous in its last"):
+        backend.forward(step.query, wide[..., 0], step.value, step.kv_cache, step.metadata, step.scale)
+
+
 def test_query_tiles_cover_every_token_once():
     q_lens = np.array([5, 1, 8, 9])
     seqs, starts = query_tiles(q_lens, first_seq=3, block_q=4)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_pod.attention.triton_ops.plan import LaunchPlan
+from engine_pod.attention.triton_ops.plan import KernelShape, LaunchPlan
 
 LOG2_E = 1.0 / math.log(2.0)
 
@@ -130,11 +130,10 @@ def paged_attention(
     launch, into ``partials``: out [T, Hq, splits, D] and lse [T, Hq, splits]
     in float32) for the tiles of ``plan``."""
     _, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[3]
-    group = num_heads // num_kv_heads
+    shape = KernelShape(num_heads, kv_cache.shape[3], head_dim)
     part_out, part_lse = partials if partials is not None else (out, out)
     cfg = plan.config
-    grid = (len(plan.tile_seq), num_kv_heads, plan.num_splits)
+    grid = (len(plan.tile_seq), shape.num_kv_heads, plan.num_splits)
     _paged_attention_kernel[grid](
         out, part_out, part_lse,
         query, kv_cache[0], kv_cache[1],
@@ -142,7 +141,7 @@ def paged_attention(
         scale * LOG2_E, plan.split_len, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
-        BLOCK_SIZE=kv_cache.shape[2], GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
+        BLOCK_SIZE=kv_cache.shape[2], GROUP=shape.group, GROUP_PAD=shape.group_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_Q=plan.block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n,
         NUM_SPLITS=plan.num_splits, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",

@@ -19,6 +19,7 @@ MIN_DOT_DIM = 16
 
 
 def next_power_of_2(n: int) -> int:
+    # triton.next_power_of_2, here without importing triton (plain Python module).
     return 1 << max(0, int(n) - 1).bit_length()
 
 
