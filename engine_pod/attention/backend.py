@@ -60,9 +60,10 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(name: str, device: torch.device, head_size: int, dtype: torch.dtype) -> AttentionBackend:
-    """"auto": triton on CUDA when it supports the model, else torch (with a
-    warning on CUDA, where triton was expected); "torch" anywhere; "triton"
-    on CUDA, or on CPU under TRITON_INTERPRET=1, else a start-up error."""
+    """The backend ``name`` asks for on ``device``. auto: triton on CUDA when
+    it supports the model, else torch (with a warning on CUDA, where triton
+    was expected); torch: anywhere; triton: on CUDA, or on CPU under
+    TRITON_INTERPRET=1, else a start-up error saying why."""
     from engine_pod.attention.torch_backend import TorchAttentionBackend
     from engine_pod.attention.triton_ops.support import triton_unsupported_reason
 
