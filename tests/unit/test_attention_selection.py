@@ -46,16 +46,24 @@ def test_explicit_triton_on_cpu_needs_the_interpreter(monkeypatch):
     "head_size, dtype, message",
     [(80, torch.float32, "head size 80 is not supported"), (64, torch.float64, "dtype float64 is not supported")],
 )
-def test_explicit_triton_rejects_unsupported_models(head_size, dtype, message):
+def test_explicit_triton_rejects_unsupported_models(head_size, dtype, message, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=f"attention_backend='triton'.*{message}"):
         get_attention_backend("triton", CUDA, head_size, dtype)
 
 
-def test_auto_on_cuda_falls_back_to_torch_with_a_warning(caplog):
+def test_auto_on_cuda_falls_back_to_torch_with_a_warning(caplog, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with caplog.at_level(logging.WARNING, logger="engine_pod.attention.backend"):
         backend = get_attention_backend("auto", CUDA, 96, torch.bfloat16)
     assert backend.name == "torch"
     assert "head size 96 is not supported" in caplog.text and "using torch" in caplog.text
+
+
+def test_cuda_with_the_interpreter_on_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1 is set: the kernels would run in the CPU interpreter"):
+        get_attention_backend("triton", CUDA, 128, torch.bfloat16)
 
 
 def test_unknown_backend_name():

@@ -32,6 +32,8 @@ def triton_unsupported_reason(device: torch.device, head_size: int, dtype: torch
             return "the triton kernels were imported before TRITON_INTERPRET=1 was set; set it before starting"
     elif device.type != "cuda":
         return f"triton kernels do not run on device type {device.type!r}"
+    elif interpreter_enabled():
+        return "TRITON_INTERPRET=1 is set: the kernels would run in the CPU interpreter, not on the GPU"
     if head_size not in SUPPORTED_HEAD_SIZES:
         return f"head size {head_size} is not supported (supported: {', '.join(map(str, SUPPORTED_HEAD_SIZES))})"
     if dtype not in SUPPORTED_DTYPES:
