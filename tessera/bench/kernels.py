@@ -97,6 +97,26 @@ def markdown_decode_table(rows: list[dict], peak_tbps: float | None) -> str:
     return "\n".join(lines)
 
 
+# The acceptance targets (issue 9), on an H200.
+TARGET_SHAPE = DecodeShape(batch=64, context=4096)
+TARGET_FRACTION_OF_PEAK = 0.70
+TARGET_MAX_SDPA_RATIO = 1.1
+
+
+def target_verdict(rows: list[dict], peak_tbps: float | None) -> dict | None:
+    """The target shape's fraction of peak and time relative to SDPA, and
+    whether each meets its target; None when the shape was not measured."""
+    row = next((r for r in rows if (r["batch"], r["context"]) == (TARGET_SHAPE.batch, TARGET_SHAPE.context)
+                and "error" not in r), None)
+    if row is None:
+        return None
+    fraction = row["triton_tbps"] / peak_tbps if peak_tbps else None
+    ratio = row["triton_ms"] / row["sdpa_ms"]
+    return dict(batch=row["batch"], context=row["context"], fraction_of_peak=fraction, sdpa_ratio=ratio,
+                meets_bandwidth=None if fraction is None else fraction >= TARGET_FRACTION_OF_PEAK,
+                meets_sdpa=ratio <= TARGET_MAX_SDPA_RATIO)
+
+
 # -- GPU parts -------------------------------------------------------------
 
 def _median_ms(fn) -> float:
@@ -229,15 +249,28 @@ def main(args: argparse.Namespace) -> int:
           + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     report["decode"] = _decode_grid(args, heads, device, rule)
     report["mixed_step"] = _mixed_step(MIXED_STEP, heads, args.block_size, device, rule)
-    print(f"\n{name}, peak HBM {peak if peak else 'unknown (pass --peak-bandwidth-tbs)'} TB/s, bf16, "
+    print(f"\n{name}, peak HBM {peak if peak else 'unknown (pass --peak-bandwidth-tbps)'} TB/s, bf16, "
           f"{heads.num_heads} query / {heads.num_kv_heads} KV heads, head dim {heads.head_dim}, "
           f"block size {args.block_size}\n")
     print(markdown_decode_table(report["decode"], peak))
+    verdict = report["target"] = target_verdict(report["decode"], peak)
+    if verdict:
+        fraction = "n/a" if verdict["fraction_of_peak"] is None else f"{verdict['fraction_of_peak']:.0%}"
+        print(f"\ntarget at batch {verdict['batch']} x {verdict['context']}: {fraction} of peak "
+              f"(target >= {TARGET_FRACTION_OF_PEAK:.0%}), {verdict['sdpa_ratio']:.2f}x SDPA's time "
+              f"(target <= {TARGET_MAX_SDPA_RATIO}x)")
     m = report["mixed_step"]
     print(f"\nmixed step ({m['tokens']} tokens: {m['seqs']}): triton {m['triton_ms']:.3f} ms, "
           f"torch backend {m['torch_backend_ms']:.3f} ms ({m['speedup']:.1f}x)")
     write_report(report, args.output)
     return 1 if failed else 0
+
+
+def _positive_int(text: str) -> int:
+    values = _int_list(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return values[0]
 
 
 def _int_list(text: str) -> list[int]:
@@ -254,10 +287,10 @@ def add_parser(kinds) -> None:
     p = kinds.add_parser("kernels", help="triton attention kernels on CUDA: correctness, decode vs SDPA, mixed step")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16, 64, 128, 256])
     p.add_argument("--context-lens", type=_int_list, default=[512, 2048, 4096, 8192, 32768])
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=_positive_int, default=16)
     p.add_argument("--max-kv-gib", type=float, default=40.0,
                    help="skip decode shapes whose K/V exceed this (SDPA's contiguous copy doubles it)")
-    p.add_argument("--peak-bandwidth-tbs", type=float, default=None,
+    p.add_argument("--peak-bandwidth-tbps", type=float, default=None,
                    help="the device's peak HBM bandwidth in TB/s (default: looked up by device name)")
     p.add_argument("--output", default="bench-results/kernels.json", help="write the results as JSON here")
     p.set_defaults(bench_func=main)
