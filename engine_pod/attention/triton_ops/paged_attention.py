@@ -8,9 +8,11 @@ online softmax in float32 (base 2: ``exp2`` of scores pre-scaled by log2 e),
 masking keys past each row's own position, which is the cached length plus
 the row's index among the new tokens.
 
-With ``NUM_SPLITS > 1`` (decodes with long contexts) axis 2 of the grid
-splits the keys into ranges of ``split_len``; each program then writes its
-normalised partial output and log-sum-exp for ``reduce_splits`` to combine.
+With ``SPLIT`` (decodes with long contexts) axis 2 of the grid splits the
+keys into ``num_splits`` ranges of ``split_len``; each program then writes
+its normalised partial output and log-sum-exp for ``reduce_splits`` to
+combine. The split count is a runtime argument, not a compile-time one, so
+the count changing from step to step compiles nothing new.
 """
 
 from __future__ import annotations
@@ -31,13 +33,13 @@ def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr,
     block_table_ptr, seq_lens_ptr, query_start_ptr, tile_seq_ptr, tile_q_start_ptr,
-    scale_log2, split_len, num_heads,
+    scale_log2, num_splits, split_len, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_block, stride_c_slot, stride_c_head, stride_bt,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -65,7 +67,7 @@ def _paged_attention_kernel(
     # Keys [kv_start, kv_end): up to the last row's position, within the split.
     kv_end = tl.minimum(num_cached + q_tile_start + BLOCK_Q, seq_len)
     kv_start = 0
-    if NUM_SPLITS > 1:
+    if SPLIT:
         kv_start = split * split_len
         kv_end = tl.minimum(kv_end, kv_start + split_len)
 
@@ -103,11 +105,11 @@ def _paged_attention_kernel(
     # l = 0 only where a row saw no key: padding rows, or splits past the end.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        part = (token * num_heads + head) * NUM_SPLITS + split
+        part = (token * num_heads + head) * num_splits + split
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         tl.store(part_lse_ptr + part, lse, mask=row_valid)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=q_mask)
@@ -138,13 +140,13 @@ def paged_attention(
         out, part_out, part_lse,
         query, kv_cache[0], kv_cache[1],
         block_table, seq_lens, query_start_loc, tile_seq, tile_q_start,
-        scale * LOG2_E, plan.split_len, num_heads,
+        scale * LOG2_E, plan.num_splits, plan.split_len, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         BLOCK_SIZE=kv_cache.shape[2], GROUP=shape.group, GROUP_PAD=shape.group_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_Q=plan.block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n,
-        NUM_SPLITS=plan.num_splits, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SPLIT=plan.num_splits > 1, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         # The interpreter (the only way these kernels see CPU tensors)
         # multiplies bfloat16 tiles wrongly in tl.dot; float32 tiles holding
         # the same bfloat16 values give the GPU's products.
