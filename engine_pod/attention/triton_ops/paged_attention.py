@@ -28,7 +28,10 @@ from engine_pod.attention.triton_ops.plan import KernelShape, LaunchPlan
 LOG2_E = 1.0 / math.log(2.0)
 
 
-@triton.jit
+# Triton specialises integer arguments on their value (== 1, divisible by 16);
+# these change from step to step, and specialising on them would compile
+# new variants mid-serving.
+@triton.jit(do_not_specialize=["num_splits", "split_len", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr,

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # changes between steps
 def _reduce_splits_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, num_splits, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
