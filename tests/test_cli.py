@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +15,10 @@ from engine_pod import LLM, SamplingParams
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _tessera(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+def _tessera(*args: str, timeout: int = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "tessera.cli", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
     )
 
 
@@ -90,6 +91,15 @@ def test_missing_model_folder_exits_2(tmp_path):
     proc = _tessera("generate", "--model", str(tmp_path / "nope"), "--prompt", "hi")
     assert proc.returncode == 2
     assert "error" in proc.stderr and "config.json" in proc.stderr
+
+
+def test_engine_refuses_triton_on_cpu_without_the_interpreter(made_model):
+    out, _ = made_model
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = _tessera("engine", "--model", str(out), "--device", "cpu", "--attention-backend", "triton",
+                    "--grpc-port", "0", "--cpu-threads", "1", env=env)
+    assert proc.returncode == 2
+    assert "attention_backend='triton' cannot run here" in proc.stderr and "TRITON_INTERPRET=1" in proc.stderr
 
 
 def test_argparse_errors_exit_2():
