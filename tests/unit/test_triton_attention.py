@@ -4,6 +4,8 @@ on CPU, see tests/conftest.py; natively on CUDA), and its launch planning."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -24,6 +26,20 @@ def test_kernels_match_torch_backend(case):
     assert result.err_vs_torch <= tol, result
     assert result.err_vs_reference <= tol, result
     assert result.passed
+
+
+def test_cases_cover_every_pair_of_axes():
+    axes = {
+        "block size": lambda c: c.block_size, "GQA ratio": lambda c: c.num_heads // c.num_kv_heads,
+        "head size": lambda c: c.head_dim, "dtype": lambda c: c.dtype, "split": lambda c: c.split,
+    }
+    assert {axes["block size"](c) for c in CORRECTNESS_CASES} == {8, 16, 32}
+    assert {axes["GQA ratio"](c) for c in CORRECTNESS_CASES} == {1, 4, 8}
+    assert {axes["head size"](c) for c in CORRECTNESS_CASES} == {64, 128}
+    for (a, fa), (b, fb) in itertools.combinations(axes.items(), 2):
+        seen = {(fa(c), fb(c)) for c in CORRECTNESS_CASES}
+        values_a, values_b = {fa(c) for c in CORRECTNESS_CASES}, {fb(c) for c in CORRECTNESS_CASES}
+        assert len(seen) == len(values_a) * len(values_b), (a, b)
 
 
 def test_layers_reuse_the_step_plan():
