@@ -1,8 +1,17 @@
-"""Logit processors: penalties, min-p, top-k / top-p, random sampling."""
+"""Logit processors: grammar bitmask, penalties, min-p, top-k / top-p, random sampling."""
 
 from __future__ import annotations
 
 import torch
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set the logits of tokens a row's grammar forbids to -inf. ``bitmask``
+    is [rows, ceil(vocab / 32)] int32: bit j of word w allows token 32w + j."""
+    num_rows, vocab = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(num_rows, -1)[:, :vocab]
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def apply_penalties(
