@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,11 @@ from engine_pod.structured_output.bitmask import GrammarBitmask
 from engine_pod.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+
+# Compiled grammars kept (least recently used dropped first): a compiled
+# JSON grammar holds per-state token masks, so an unbounded cache would grow
+# with every distinct schema clients send.
+MAX_CACHED_GRAMMARS = 256
 
 
 @dataclass
@@ -34,7 +40,7 @@ class StructuredOutputStats:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer_path: str | Path, vocab_size: int, stop_token_ids: set[int],
-                 max_workers: int = 1) -> None:
+                 max_workers: int = 1, max_cached: int = MAX_CACHED_GRAMMARS) -> None:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
@@ -42,7 +48,8 @@ class StructuredOutputManager:
         self._backend: XgrammarBackend | None = None
         self._backend_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
-        self._compiled: dict[tuple[str, str], Future] = {}
+        self.max_cached = max_cached
+        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
         # request id -> its compile, until the matcher exists
         self._pending: dict[str, Future] = {}
         self._grammars: dict[str, Grammar] = {}
@@ -75,8 +82,11 @@ class StructuredOutputManager:
             self.stats.num_compiles += 1
             future = self._executor.submit(self._compile, params)
             self._compiled[params.key] = future
+            if len(self._compiled) > self.max_cached:
+                self._compiled.popitem(last=False)  # its requests still hold their future
         else:
             self.stats.num_cache_hits += 1
+            self._compiled.move_to_end(params.key)
         self._pending[request.request_id] = future
 
     def is_ready(self, request: Request) -> bool:

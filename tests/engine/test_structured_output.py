@@ -13,7 +13,7 @@ import pytest
 from engine_pod import LLM, SamplingParams
 from engine_pod.request import Request, RequestStatus
 from engine_pod.structured_output import StructuredOutputsParams
-from tests.engine.guided_schemas import PROMPTS, SCHEMAS
+from tessera.bench.guided_workload import PROMPTS, SCHEMAS
 
 
 @pytest.fixture(scope="module")

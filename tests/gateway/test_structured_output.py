@@ -15,7 +15,7 @@ import pytest
 
 from engine_pod import SamplingParams
 from engine_pod.structured_output import StructuredOutputsParams
-from tests.engine.guided_schemas import SCHEMAS
+from tessera.bench.guided_workload import SCHEMAS
 from tests.gateway.conftest import KEYS, MODEL_NAME, client
 from tests.pod.client import generate_all
 from tessera.v1 import engine_pb2 as epb

@@ -108,3 +108,20 @@ def test_fill_bitmasks_stops_at_a_refused_draft(backend, tokenizer):
     assert grammar.fill_bitmasks(bitmask, 0, drafts) == 2  # before and after the digit
     assert torch.all(bitmask[2:] == -1)  # past the refused draft: untouched
     assert grammar.validate_tokens(drafts) == 1
+
+
+def test_compile_cache_is_bounded_least_recently_used_first(tiny_llama):
+    from engine_pod.request import Request
+    from engine_pod.sampling_params import SamplingParams
+    from engine_pod.structured_output.manager import StructuredOutputManager
+
+    manager = StructuredOutputManager(tiny_llama, VOCAB, {1, 3}, max_cached=2)
+    regexes = ["a+", "b+", "a+", "c+", "b+"]
+    for i, regex in enumerate(regexes):
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=regex))
+        manager.add_request(Request(str(i), [5], params))
+    # a+ compiles, b+ compiles, a+ hits (now most recent), c+ compiles and
+    # drops b+ (least recent), b+ compiles again.
+    assert (manager.stats.num_compiles, manager.stats.num_cache_hits) == (4, 1)
+    manager.wait_for_compiles(timeout=30)
+    manager.shutdown()

@@ -1,4 +1,4 @@
-"""Bounded JSON schemas for guided-decoding tests and the benchmark.
+"""Bounded JSON schemas and prompts for the guided-decoding benchmark and tests.
 
 A random-weight model follows whatever the grammar allows, so every string
 has a maxLength, every array a maxItems and every number bounds: a guided
