@@ -12,8 +12,8 @@ from engine_pod.core.stats import EngineTotals, SchedulerStats
 from engine_pod.executor import Executor, create_executor
 from engine_pod.request import Request, RequestStatus
 from engine_pod.structured_output.manager import StructuredOutputManager
-from tessera.text import load_eos_token_ids
 from engine_pod.worker.kv_store_factory import build_kv_store
+from tessera.text import load_eos_token_ids
 
 logger = logging.getLogger(__name__)
 

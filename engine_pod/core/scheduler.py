@@ -29,7 +29,7 @@ from engine_pod.core.scheduler_output import (
 from engine_pod.core.stats import SchedulerStats
 from engine_pod.request import Request, RequestStatus
 
-if TYPE_CHECKING:  # the manager pulls in xgrammar; engines without guided requests never need it
+if TYPE_CHECKING:  # the manager pulls in xgrammar: the scheduler alone does not need it
     from engine_pod.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)

@@ -17,6 +17,7 @@ from engine_pod import SamplingParams
 from engine_pod.structured_output import StructuredOutputsParams
 from tessera.bench.guided_workload import SCHEMAS
 from tests.gateway.conftest import KEYS, MODEL_NAME, client
+from tests.gateway.observe import metric_sum, pod_metrics_url
 from tests.pod.client import generate_all
 from tessera.v1 import engine_pb2 as epb
 from tessera.v1 import engine_pb2_grpc as epb_grpc
@@ -170,12 +171,23 @@ def _engine_request(constraint: spb.StructuredOutputs, max_tokens: int = 48) -> 
         temperature=0, max_tokens=max_tokens, structured_outputs=constraint))
 
 
-def test_engine_pod_generate_guided(engine_pods, offline_llm):
-    pattern = r"[0-9]{3}-[a-z]{2}"
-    [(tokens, reason)] = asyncio_run(generate_all(engine_pods[0].address,
-                                                  [_engine_request(spb.StructuredOutputs(regex=pattern))]))
-    assert reason == "stop"
-    assert re.fullmatch(pattern, offline_llm.get_tokenizer().decode(tokens, skip_special_tokens=True))
+def test_engine_pod_generate_guided_and_its_metrics(engine_pods, offline_llm):
+    pod = engine_pods[0]
+
+    def counter(name):
+        return metric_sum(pod_metrics_url(pod), f"tessera:structured_output_{name}_total")
+
+    before = {name: counter(name) for name in ("requests", "compiles", "cache_hits")}
+    pattern = r"[0-9]{3}-[a-z]{2}"  # no other test sends this regex
+    request = _engine_request(spb.StructuredOutputs(regex=pattern))
+    results = asyncio_run(generate_all(pod.address, [request, request]))
+    for tokens, reason in results:
+        assert reason == "stop"
+        assert re.fullmatch(pattern, offline_llm.get_tokenizer().decode(tokens, skip_special_tokens=True))
+    assert counter("requests") - before["requests"] == 2
+    assert counter("compiles") - before["compiles"] == 1
+    assert counter("cache_hits") - before["cache_hits"] == 1
+    assert metric_sum(pod_metrics_url(pod), "tessera:structured_output_compile_seconds_total") > 0
 
 
 @pytest.mark.parametrize("constraint,message", [
