@@ -181,3 +181,30 @@ def test_abort_while_compiling_frees_the_request(llm):
     assert req.status == RequestStatus.FINISHED_ABORTED
     assert not core.has_unfinished_requests()
     assert "abort-me" not in core.structured_output._pending
+
+
+def _guided_batch():
+    # Prompts of 2-3 blocks, so a small pool fills up while outputs grow.
+    prompts = [" ".join(PROMPTS[(i + k) % len(PROMPTS)] for k in range(5)) for i in range(8)]
+    params = [_guided(max_tokens=96, json=SCHEMAS[i % len(SCHEMAS)]) if i % 3 else
+              _guided(max_tokens=24, regex=r"[a-z]{2,6}( [a-z]{2,6}){0,3}\.") for i in range(len(prompts))]
+    return prompts, params
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    # Chunked prefill under a 24-token budget, prefix caching, and a pool so
+    # small that requests are preempted and recomputed mid-output.
+    dict(max_model_len=256, max_num_batched_tokens=24, num_gpu_blocks=16, block_size=16),
+    # Two tensor-parallel ranks: the bitmask reaches the runner in the
+    # scheduler output; the worker processes hold no grammar state.
+    dict(max_model_len=512, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=2),
+], ids=["chunked-preempted", "tp2"])
+def test_guided_outputs_are_invariant(llm, tiny_llama, engine_kwargs):
+    prompts, params = _guided_batch()
+    reference = [o.outputs[0] for o in llm.generate(prompts, params)]
+    with LLM(str(tiny_llama), dtype="float64", **engine_kwargs) as other:
+        outputs = [o.outputs[0] for o in other.generate(prompts, params)]
+        if "num_gpu_blocks" in engine_kwargs:
+            assert other.stats.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert all(o.finish_reason == "stop" for o in outputs)
