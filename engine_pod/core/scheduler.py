@@ -137,7 +137,12 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0 or bool(self.waiting_for_fsm)
+        return bool(self.running) or self.num_waiting > 0
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running, those whose grammar compiles included."""
+        return len(self.waiting) + len(self.waiting_for_fsm)
 
     def _admit_compiled_grammars(self) -> None:
         """Move requests whose grammar is ready into the waiting queue."""
@@ -400,7 +405,7 @@ class Scheduler:
         waste = sum(kv.num_allocated_slots(r.request_id) - r.num_computed_tokens for r in self.running)
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=self.num_waiting,
             num_kv_blocks_used=pool.num_blocks - pool.get_num_free_blocks(),
             num_kv_blocks_free=pool.get_num_free_blocks(),
             kv_cache_usage=pool.get_usage(),

@@ -208,3 +208,15 @@ def test_guided_outputs_are_invariant(llm, tiny_llama, engine_kwargs):
             assert other.stats.num_preemptions > 0
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
     assert all(o.finish_reason == "stop" for o in outputs)
+
+
+def test_requests_waiting_for_their_grammar_count_as_waiting(llm):
+    core = llm.engine_core
+    req = Request("counted", [5, 6], llm.processor.process_params(_guided(choice=_large_grammar_choices(2500))))
+    core.add_request(req)
+    try:
+        assert req.status == RequestStatus.WAITING_FOR_FSM
+        assert core.scheduler.num_waiting == 1 and core.scheduler.make_stats().num_waiting_reqs == 1
+    finally:
+        core.abort_requests(["counted"])
+    assert core.scheduler.num_waiting == 0
