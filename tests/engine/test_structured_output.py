@@ -82,6 +82,17 @@ def test_guided_and_unguided_requests_batch_together(llm):
     assert re.fullmatch("[0-9]{3}", mixed[3].outputs[0].text)
 
 
+def test_a_complete_grammar_ends_the_request_before_min_tokens(llm):
+    """When the grammar allows only a stop token, min_tokens cannot ban it:
+    the request ends with its valid output instead of an unsamplable row."""
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=16, min_tokens=10,
+                                                  structured_outputs=StructuredOutputsParams(choice=["yes"])))
+    assert out[0].outputs[0].text == "yes" and out[0].outputs[0].finish_reason == "stop"
+    # Unconstrained, min_tokens still holds.
+    plain = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=16, min_tokens=10))
+    assert len(plain[0].outputs[0].token_ids) >= 10
+
+
 def test_logprobs_are_the_raw_model_distribution(llm):
     """vLLM's default: the mask shapes what is sampled, not the logprobs reported."""
     prompt = PROMPTS[1]
