@@ -87,6 +87,13 @@ def test_vllm_extra_fields(platform, extra, check):
         assert check(r.choices[0].text), r.choices[0].text
 
 
+def test_n_seeded_choices_each_follow_the_constraint(platform):
+    r = client(platform).completions.create(model=MODEL_NAME, prompt="Colors:", n=4, max_tokens=8, temperature=1.0,
+                                            seed=11, extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert all(c.text in ("red", "green", "blue") and c.finish_reason == "stop" for c in r.choices)
+
+
 BAD_REST = [
     ({"response_format": _json_schema_format({"type": 5})}, "response_format", "invalid JSON schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
