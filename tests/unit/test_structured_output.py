@@ -125,3 +125,27 @@ def test_compile_cache_is_bounded_least_recently_used_first(tiny_llama):
     assert (manager.stats.num_compiles, manager.stats.num_cache_hits) == (4, 1)
     manager.wait_for_compiles(timeout=30)
     manager.shutdown()
+
+
+def test_manager_masks_drafted_positions_and_validates_drafts(tiny_llama, tokenizer):
+    from engine_pod.request import Request
+    from engine_pod.sampling_params import SamplingParams
+    from engine_pod.structured_output.manager import StructuredOutputManager
+
+    manager = StructuredOutputManager(tiny_llama, VOCAB, {1, 3})
+    guided = Request("g", [5], SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]{2}")))
+    manager.add_request(guided)
+    manager.wait_for_compiles(timeout=30)
+    assert manager.is_ready(guided)
+    drafts = _encode(tokenizer, "4") + _encode(tokenizer, "2")
+    mask = manager.grammar_bitmask(["plain", "g"], drafts={"g": drafts})
+    assert mask.req_ids == ["g", "g", "g"]  # 1 + 2 drafted positions; "plain" has no grammar
+    digits = {t for t in range(VOCAB) if re.fullmatch(r"[0-9]{1,2}", tokenizer.decode([t]))}
+    assert _allowed(torch.from_numpy(mask.bitmask), 0) == digits
+    assert _allowed(torch.from_numpy(mask.bitmask), 2) == {1, 3}  # two digits: only a stop token
+    assert manager.validate_tokens("g", drafts + drafts) == 2
+    assert manager.validate_tokens("plain", drafts) == 2  # no grammar: everything passes
+    # None of that moved the matcher.
+    assert manager.accept_tokens("g", drafts) and not manager.is_terminated("g")
+    assert manager.accept_tokens("g", [3]) and manager.is_terminated("g")
+    manager.shutdown()
