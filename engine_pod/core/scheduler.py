@@ -215,7 +215,7 @@ class Scheduler:
             budget = self._schedule_waiting(budget, num_scheduled, scheduled_new)
 
         output = self._make_output(scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted)
-        if self.structured_output is not None:
+        if self.structured_output is not None and self.structured_output.has_matchers:
             output.grammar_bitmask = self.structured_output.grammar_bitmask(self._sampling_req_ids(num_scheduled))
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n

@@ -112,6 +112,11 @@ class StructuredOutputManager:
         self._grammars.pop(request_id, None)
 
     # -- per step (on the loop) -------------------------------------------
+    @property
+    def has_matchers(self) -> bool:
+        """Whether any request holds a matcher (else a step has no grammar work)."""
+        return bool(self._grammars)
+
     def grammar_bitmask(self, request_ids: list[str], drafts: dict[str, list[int]] | None = None
                         ) -> GrammarBitmask | None:
         """The next-token masks of the given requests that have a grammar.
