@@ -50,6 +50,10 @@ class StructuredOutputsParams:
             raise ValueError(
                 f"structured_outputs.json: the schema must be a JSON object, got {type(schema).__name__}"
             )
+        try:
+            json.dumps(schema)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"structured_outputs.json: the schema is not JSON-serializable: {e}") from None
 
     def _check_json_object(self) -> None:
         if self.json_object is not True:

@@ -116,6 +116,7 @@ BAD_CONSTRAINTS = [
     (lambda: StructuredOutputsParams(json={"type": 5}), "structured_outputs.json: invalid JSON schema"),
     (lambda: StructuredOutputsParams(json="{not json"), "structured_outputs.json: the schema is not valid JSON"),
     (lambda: StructuredOutputsParams(json=["a"]), "structured_outputs.json: the schema must be a JSON object"),
+    (lambda: StructuredOutputsParams(json={"enum": {1, 2}}), "structured_outputs.json: the schema is not JSON-serializable"),
     (lambda: StructuredOutputsParams(regex="(ab"), "structured_outputs.regex: invalid regex"),
     (lambda: StructuredOutputsParams(grammar="root ::= missing"), "structured_outputs.grammar: invalid grammar"),
     (lambda: StructuredOutputsParams(choice=[]), "structured_outputs.choice: the list of choices is empty"),
