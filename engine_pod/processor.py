@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine_pod.config import EngineConfig
 from engine_pod.sampling_params import SamplingParams
+from engine_pod.structured_output.backend_xgrammar import validate as validate_structured_outputs
 from tessera.text import encode_prompt
 
 # A prompt is text, or vLLM's token form {"prompt_token_ids": [...]}.
@@ -63,6 +64,10 @@ class Processor:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: {bad} are outside the vocabulary [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            # A malformed schema, regex or grammar is refused here, not found
+            # later by a compile thread.
+            validate_structured_outputs(params.structured_outputs)
         params = replace(params)  # never mutate the caller's object
         params.resolve_stop_token_ids(self.eos_token_ids)
         return params

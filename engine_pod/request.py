@@ -12,6 +12,9 @@ from kv_store.block_hash import BlockHash, hash_request_tokens
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Waiting for its grammar to compile (vLLM's WAITING_FOR_FSM): skipped
+    # by the scheduler, never blocking the requests behind it.
+    WAITING_FOR_FSM = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this is finished.
@@ -74,6 +77,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
 
     @property
     def max_tokens(self) -> int | None:

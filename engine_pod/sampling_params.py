@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine_pod.structured_output.params import StructuredOutputsParams
+
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 
@@ -17,7 +19,8 @@ class SamplingParams:
     ``top_p == 1`` and ``min_p == 0`` disable those filters. ``stop_token_ids``
     end generation and stay in the output token ids; ``stop`` strings end it and
     are cut from the text. ``logprobs=k`` returns the sampled token's logprob and
-    the top-k alternatives for every output token.
+    the top-k alternatives for every output token. ``structured_outputs``
+    constrains the output to a JSON schema, regex, choice or grammar.
     """
 
     n: int = 1
@@ -37,6 +40,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     # Filled in by the engine: every token id that ends the request.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -92,6 +96,8 @@ class SamplingParams:
             fail("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be a list of non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs", f"must be StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
 
     @property
     def is_greedy(self) -> bool:

@@ -6,9 +6,11 @@ import uuid
 
 from opentelemetry.trace import SpanKind
 
+from engine_pod.structured_output.wire import params_from_proto
 from gateway.errors import GatewayError, StreamBroken, bad_request, unavailable
 from gateway.request import ChoiceUpdate, GenerationRequest, SamplingOptions, Usage
 from gateway.serving import Gateway, ResponseStream
+from gateway.structured_output import checked
 from tessera.tracing import parent_context, tracer
 from tessera.v1 import inference_pb2 as pb
 from tessera.v1 import inference_pb2_grpc as pb_grpc
@@ -20,13 +22,17 @@ def _options(p: pb.GenerationParams) -> SamplingOptions:
     def get(name, default):
         return getattr(p, name) if p.HasField(name) else default
 
+    constraint = None
+    if p.HasField("structured_outputs"):
+        constraint = checked(lambda: params_from_proto(p.structured_outputs), "params.structured_outputs")
+
     return SamplingOptions(
         max_tokens=get("max_tokens", None), temperature=get("temperature", 1.0), top_p=get("top_p", 1.0),
         top_k=get("top_k", 0), min_p=get("min_p", 0.0), seed=get("seed", None),
         presence_penalty=get("presence_penalty", 0.0), frequency_penalty=get("frequency_penalty", 0.0),
         repetition_penalty=get("repetition_penalty", 1.0), n=get("n", 1), stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, min_tokens=get("min_tokens", 0),
-        logprobs=get("logprobs", None),
+        logprobs=get("logprobs", None), structured_outputs=constraint,
     )
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_pod.structured_output.params import StructuredOutputsParams
+from engine_pod.structured_output.wire import params_to_proto
 from tessera.v1 import engine_pb2 as epb
 
 MAX_LOGPROBS = 20
@@ -31,6 +33,8 @@ class SamplingOptions:
     min_tokens: int = 0
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    # Already parsed by the front end (gateway/structured_output.py).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def validate(self) -> None:
         """ValueError naming the field (the front ends check types, this checks ranges)."""
@@ -69,6 +73,8 @@ class SamplingOptions:
             params.seed = seed
         if self.logprobs is not None:
             params.logprobs = self.logprobs
+        if self.structured_outputs is not None:
+            params.structured_outputs.CopyFrom(params_to_proto(self.structured_outputs))
         return params
 
 

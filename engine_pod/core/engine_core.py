@@ -11,14 +11,23 @@ from engine_pod.core.scheduler import EngineCoreOutput, Scheduler
 from engine_pod.core.stats import EngineTotals, SchedulerStats
 from engine_pod.executor import Executor, create_executor
 from engine_pod.request import Request, RequestStatus
+from engine_pod.structured_output.manager import StructuredOutputManager
 from engine_pod.worker.kv_store_factory import build_kv_store
+from tessera.text import load_eos_token_ids
 
 logger = logging.getLogger(__name__)
 
 
+# How long an idle step waits for a grammar compile before returning to the
+# caller's loop (which takes in new requests and aborts between steps).
+_GRAMMAR_WAIT_S = 0.01
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None,
+                 tokenizer_path: str | None = None) -> None:
         self.config = config
+        self.tokenizer_path = tokenizer_path or str(config.model.path)
         self.executor = executor or create_executor(config)
         try:
             self._start(config)
@@ -46,7 +55,10 @@ class EngineCore:
                 raise ValueError("the KV store addresses blocks by their prefix hashes: it needs enable_prefix_caching")
             self.executor.attach_kv_store(self.kv_store)
             connector = KVConnectorScheduler(self.kv_store, block_size)
-        self.scheduler = Scheduler(config.scheduler, kv, connector)
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer_path, config.model.arch.vocab_size, load_eos_token_ids(config.model.path)
+        )
+        self.scheduler = Scheduler(config.scheduler, kv, connector, self.structured_output)
         self.totals = EngineTotals()
         self.last_stats = SchedulerStats()
         logger.info("engine core ready: %d KV blocks of %d tokens", num_blocks, block_size)
@@ -70,6 +82,10 @@ class EngineCore:
         self.last_stats = self.scheduler.make_stats()
         self.totals.add(self.last_stats)
         stalled = scheduler_output.is_empty and not scheduler_output.preempted_req_ids
+        if stalled and self.scheduler.waiting_for_fsm:
+            # Only requests with grammars still compiling: wait a little for one.
+            self.structured_output.wait_for_compiles(_GRAMMAR_WAIT_S)
+            return outputs
         if stalled and self.scheduler.has_unfinished_requests():
             # Start-up checks guarantee one request always fits, so a step that
             # neither ran nor preempted anything would repeat forever.
@@ -78,5 +94,6 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.structured_output.shutdown()
         if self.kv_store is not None:
             self.kv_store.close()

@@ -10,9 +10,11 @@ running request is preempted by recompute.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine_pod.core.kv_cache_manager import KVCacheManager
 from engine_pod.core.kv_connector import KVConnectorScheduler
@@ -26,6 +28,11 @@ from engine_pod.core.scheduler_output import (
 )
 from engine_pod.core.stats import SchedulerStats
 from engine_pod.request import Request, RequestStatus
+
+if TYPE_CHECKING:  # the manager pulls in xgrammar: the scheduler alone does not need it
+    from engine_pod.structured_output.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,6 +75,7 @@ class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
         connector: KVConnectorScheduler | None = None,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
@@ -81,6 +89,11 @@ class Scheduler:
         # Ended since the last schedule(); the runner is told to drop them.
         self.finished_req_ids: set[str] = set()
         self._num_new_preemptions = 0
+        self.structured_output = structured_output
+        # Requests whose grammar is compiling, outside the waiting queue.
+        self.waiting_for_fsm: list[Request] = []
+        # Requests whose grammar failed to compile: reported by the next update.
+        self._failed_grammars: list[Request] = []
 
     # -- requests in and out ----------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -89,6 +102,13 @@ class Scheduler:
         if self.kv_cache_manager.enable_caching:
             request.enable_block_hashing(self.block_size)
         self.requests[request.request_id] = request
+        if request.use_structured_output:
+            if self.structured_output is None:
+                raise ValueError("structured_outputs: this engine has no structured output manager")
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.waiting_for_fsm.append(request)
+            self.structured_output.add_request(request)
+            return
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -100,6 +120,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_FSM:
+                self.waiting_for_fsm.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -109,14 +131,42 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if request.use_structured_output:
+            self.structured_output.free_request(request.request_id)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or self.num_waiting > 0
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running, those whose grammar compiles included."""
+        return len(self.waiting) + len(self.waiting_for_fsm)
+
+    def _admit_compiled_grammars(self) -> None:
+        """Move requests whose grammar is ready into the waiting queue."""
+        still_compiling = []
+        for request in self.waiting_for_fsm:
+            try:
+                ready = self.structured_output.is_ready(request)
+            except Exception:  # noqa: BLE001 - one bad grammar must not take the engine down
+                logger.exception("request %s: grammar compilation failed", request.request_id)
+                request.status = RequestStatus.FINISHED_ABORTED
+                self._free_request(request)
+                self._failed_grammars.append(request)
+                continue
+            if ready:
+                request.status = RequestStatus.WAITING
+                self.waiting.add(request)
+            else:
+                still_compiling.append(request)
+        self.waiting_for_fsm = still_compiling
 
     # -- scheduling -------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.waiting_for_fsm:
+            self._admit_compiled_grammars()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
@@ -165,10 +215,19 @@ class Scheduler:
             budget = self._schedule_waiting(budget, num_scheduled, scheduled_new)
 
         output = self._make_output(scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted)
+        if self.structured_output is not None and self.structured_output.has_matchers:
+            output.grammar_bitmask = self.structured_output.grammar_bitmask(self._sampling_req_ids(num_scheduled))
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
         self.finished_req_ids = set()
         return output
+
+    def _sampling_req_ids(self, num_scheduled: dict[str, int]) -> list[str]:
+        """Requests whose scheduled tokens reach their end: they sample this step."""
+        return [
+            req_id for req_id, n in num_scheduled.items()
+            if self.requests[req_id].num_computed_tokens + n == self.requests[req_id].num_tokens
+        ]
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
         num_new = request.num_tokens - num_computed
@@ -282,7 +341,8 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        outputs = []
+        outputs = [EngineCoreOutput(r.request_id, [], finish_reason="abort") for r in self._failed_grammars]
+        self._failed_grammars = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             sampled = runner_output.sampled_token_ids.get(req_id)
@@ -290,6 +350,8 @@ class Scheduler:
                 continue  # aborted meanwhile, or a prefill chunk short of the end
             request.append_output_token_ids(sampled)
             status, stop_reason = self._check_stop(request)
+            if request.use_structured_output:
+                status = self._advance_grammar(request, sampled, status)
             cached = max(request.num_cached_tokens, 0)
             out = EngineCoreOutput(
                 req_id, sampled, runner_output.logprobs.get(req_id),
@@ -304,6 +366,17 @@ class Scheduler:
                 out.stop_reason = stop_reason
             outputs.append(out)
         return outputs
+
+    def _advance_grammar(self, request: Request, sampled: list[int], status: RequestStatus | None
+                         ) -> RequestStatus | None:
+        """Feed the sampled tokens to the request's matcher: a completed
+        grammar ends the request with "stop"; a refused token (the mask
+        makes that a bug) aborts it rather than emit invalid output."""
+        if not self.structured_output.accept_tokens(request.request_id, sampled):
+            return RequestStatus.FINISHED_ABORTED
+        if status is None and self.structured_output.is_terminated(request.request_id):
+            return RequestStatus.FINISHED_STOPPED
+        return status
 
     def _check_stop(self, request: Request) -> tuple[RequestStatus | None, int | None]:
         params = request.sampling_params
@@ -332,7 +405,7 @@ class Scheduler:
         waste = sum(kv.num_allocated_slots(r.request_id) - r.num_computed_tokens for r in self.running)
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=self.num_waiting,
             num_kv_blocks_used=pool.num_blocks - pool.get_num_free_blocks(),
             num_kv_blocks_free=pool.get_num_free_blocks(),
             kv_cache_usage=pool.get_usage(),

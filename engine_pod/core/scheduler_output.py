@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine_pod.sampling_params import SamplingParams
+from engine_pod.structured_output.bitmask import GrammarBitmask
 
 
 @dataclass
@@ -60,6 +61,8 @@ class SchedulerOutput:
     # Requests preempted this step: the runner keeps their state for resumption.
     preempted_req_ids: set[str] = field(default_factory=set)
     kv_connector: KVConnectorMetadata | None = None
+    # Next-token masks of the guided requests that sample this step.
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

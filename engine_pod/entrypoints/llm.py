@@ -33,7 +33,7 @@ class LLM:
         self.tokenizer = load_tokenizer(tokenizer or model)
         eos_ids = load_eos_token_ids(model, self.tokenizer)
         self.processor = Processor(self.config, self.tokenizer, eos_ids)
-        self.engine_core = EngineCore(self.config)
+        self.engine_core = EngineCore(self.config, tokenizer_path=str(tokenizer or model))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 

@@ -28,3 +28,6 @@ class SamplingMetadata:
     min_tokens_mask: torch.Tensor | None
     # Largest k over rows that want logprobs; None if none does.
     max_num_logprobs: int | None
+    # [B, ceil(V / 32)] int32 grammar masks (all bits set for unguided rows);
+    # None when no row is guided.
+    grammar_bitmask: torch.Tensor | None = None

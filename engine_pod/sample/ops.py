@@ -1,8 +1,20 @@
-"""Logit processors: penalties, min-p, top-k / top-p, random sampling."""
+"""Logit processors: grammar bitmask, penalties, min-p, top-k / top-p, random sampling."""
 
 from __future__ import annotations
 
 import torch
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set the logits of tokens a row's grammar forbids to -inf. ``bitmask``
+    is [rows, ceil(vocab / 32)] int32: bit j of word w allows token 32w + j."""
+    num_rows, vocab = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(num_rows, -1)[:, :vocab]
+    # Adding -inf or 0 per bit (x + 0 is exactly x) measured 2x faster on
+    # CPU than masked_fill with the bool mask.
+    offsets = torch.tensor([float("-inf"), 0.0], dtype=logits.dtype, device=logits.device)
+    return logits + torch.take(offsets, bits.long())
 
 
 def apply_penalties(

@@ -8,6 +8,7 @@ import torch
 
 from engine_pod.sample.metadata import SamplingMetadata
 from engine_pod.sample.ops import (
+    apply_grammar_bitmask,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
@@ -38,8 +39,18 @@ class Sampler:
 
     @staticmethod
     def _process(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        # The grammar first: penalties, temperature and the filters then act
+        # on the allowed tokens only.
+        if md.grammar_bitmask is not None:
+            logits = apply_grammar_bitmask(logits, md.grammar_bitmask)
         if md.min_tokens_mask is not None:
-            logits = logits.masked_fill(md.min_tokens_mask, float("-inf"))
+            banned = logits.masked_fill(md.min_tokens_mask, float("-inf"))
+            if md.grammar_bitmask is not None:
+                # A complete grammar allows only stop tokens: it wins over
+                # min_tokens rather than leave a row with nothing to sample.
+                empty = torch.isneginf(banned).all(dim=-1, keepdim=True)
+                banned = torch.where(empty, logits, banned)
+            logits = banned
         if md.repetition_penalty is not None:
             logits = apply_penalties(
                 logits, md.prompt_token_mask, md.output_token_ids,

@@ -178,5 +178,5 @@ class AsyncEngine:
         scheduler = self.core.scheduler
         pool = scheduler.kv_cache_manager.block_pool
         self.snapshot = LoadSnapshot(
-            len(scheduler.running), len(scheduler.waiting), pool.get_num_free_blocks(), pool.get_usage()
+            len(scheduler.running), scheduler.num_waiting, pool.get_num_free_blocks(), pool.get_usage()
         )

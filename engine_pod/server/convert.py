@@ -10,6 +10,7 @@ from engine_pod.core.scheduler import EngineCoreOutput
 from engine_pod.processor import Processor
 from engine_pod.request import Request
 from engine_pod.sampling_params import SamplingParams
+from engine_pod.structured_output.wire import params_from_proto
 from tessera.v1 import engine_pb2 as pb
 
 _KNOWN_MODES = set(pb.KVTransferParams.Mode.values())
@@ -34,6 +35,7 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        structured_outputs=params_from_proto(p.structured_outputs) if p.HasField("structured_outputs") else None,
     )
 
 

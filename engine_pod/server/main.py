@@ -35,7 +35,7 @@ from engine_pod.sampling_params import SamplingParams
 from engine_pod.server.async_engine import AsyncEngine, StreamEnd
 from engine_pod.server.grpc_service import EngineService
 from engine_pod.server.cpu_share import cpu_share
-from engine_pod.server.metrics import EngineMetrics, KVStoreCollector
+from engine_pod.server.metrics import EngineMetrics, KVStoreCollector, StructuredOutputCollector
 from tessera.tracing import configure_tracing
 from tessera.text import load_eos_token_ids
 from tessera.v1 import engine_pb2, engine_pb2_grpc
@@ -195,6 +195,7 @@ def serve(args: argparse.Namespace) -> int:
         core = EngineCore(config)
         if core.kv_store is not None:
             metrics.registry.register(KVStoreCollector(core.kv_store, model_name))
+        metrics.registry.register(StructuredOutputCollector(core.structured_output.stats, model_name))
         engine = AsyncEngine(core, frontend.loop)
         service.attach(engine)
         banner = (f"tessera engine ready: role={args.role} grpc={frontend.address} "

@@ -120,3 +120,25 @@ class KVStoreCollector:
             up.add_metric(m, 1.0 if remote.available else 0.0)
             yield up
             yield counter("tessera:kv_store_redis_errors", "Failed Redis calls", remote.errors)
+
+
+class StructuredOutputCollector:
+    """Guided-decoding counters of the engine core, read at scrape time."""
+
+    def __init__(self, stats, model_name: str) -> None:
+        self.stats = stats  # structured_output.manager.StructuredOutputStats, updated in place
+        self.model_name = model_name
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        s = self.stats
+        for name, doc, value in (
+            ("tessera:structured_output_requests", "Guided requests (structured outputs) added", s.num_requests),
+            ("tessera:structured_output_compiles", "Grammars compiled (compile-cache misses)", s.num_compiles),
+            ("tessera:structured_output_cache_hits", "Guided requests served a cached grammar", s.num_cache_hits),
+            ("tessera:structured_output_compile_seconds", "Time spent compiling grammars", s.compile_seconds),
+        ):
+            fam = CounterMetricFamily(name, doc, labels=["model_name"])
+            fam.add_metric([self.model_name], value)
+            yield fam

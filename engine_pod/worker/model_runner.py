@@ -172,7 +172,9 @@ class ModelRunner:
             return ModelRunnerOutput({})
         if not self.group.is_first:
             return self._follow_first_rank(batch.sampling_states)
-        out = self.sampler(logits, self._sampling_metadata(batch.sampling_states))
+        md = self._sampling_metadata(batch.sampling_states)
+        md.grammar_bitmask = self._grammar_bitmask(so, batch.sampling_states)
+        out = self.sampler(logits, md)
         if self.group.world_size > 1:
             self.group.broadcast_from_first(out.sampled.to(torch.int64).contiguous())
         return self._to_output(batch.sampling_states, out)
@@ -290,6 +292,13 @@ class ModelRunner:
         if any(p.has_penalties for p in params):
             self._add_penalties(md, states)
         return md
+
+    def _grammar_bitmask(self, so: SchedulerOutput, states: list[CachedRequestState]) -> torch.Tensor | None:
+        """The scheduler's grammar masks in this batch's row order."""
+        if so.grammar_bitmask is None:
+            return None
+        rows = so.grammar_bitmask.rows_for([s.req_id for s in states])
+        return None if rows is None else torch.from_numpy(rows).to(self.device)
 
     def _min_tokens_mask(self, states: list[CachedRequestState]) -> torch.Tensor | None:
         rows = [

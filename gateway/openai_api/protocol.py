@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway import structured_output
 from gateway.request import MAX_LOGPROBS, MAX_N, SamplingOptions
 
 NonNegInt = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -47,6 +48,14 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     # Tessera: a priority class the API key may use (default: the key's).
     priority_class: str | None = Field(None, max_length=64)
+    # Guided decoding (gateway/structured_output.py checks them): OpenAI's
+    # response_format, vLLM's structured_outputs and older guided_* fields.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_options(self, max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -67,6 +76,7 @@ class _SamplingFields(BaseModel):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=structured_output.from_rest_body(self),
         )
 
 
@@ -108,4 +118,3 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     logit_bias: dict[str, float] | None = None
     tools: list[dict] | None = None
-    response_format: dict | None = None

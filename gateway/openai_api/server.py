@@ -156,7 +156,7 @@ def _single_prompt(prompt) -> tuple[str | None, list[int] | None]:
 
 
 def _chat_request(body: ChatCompletionRequest) -> GenerationRequest:
-    for name in ("logit_bias", "tools", "response_format"):
+    for name in ("logit_bias", "tools"):
         if getattr(body, name):
             raise bad_request(f"{name}: not supported", "unsupported", name)
     if body.top_logprobs is not None and not body.logprobs:
