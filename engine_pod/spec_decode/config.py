@@ -30,14 +30,15 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {METHODS}, got {self.method!r}")
         self._check_int("num_speculative_tokens", self.num_speculative_tokens, MAX_SPECULATIVE_TOKENS)
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, name) is not None:
+                self._check_int(name, getattr(self, name))
         if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
             self.prompt_lookup_min = self.prompt_lookup_max = 5
         elif self.prompt_lookup_min is None:
             self.prompt_lookup_min = self.prompt_lookup_max
         elif self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min
-        self._check_int("prompt_lookup_min", self.prompt_lookup_min)
-        self._check_int("prompt_lookup_max", self.prompt_lookup_max)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
