@@ -9,7 +9,8 @@ def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="run a benchmark")
     kinds = bench.add_subparsers(dest="bench", required=True)
     from tessera.bench import (
-        gateway_overhead, grpc_stream, kv_store, prefix_cache, routing, serve, throughput, tp_memory, tp_overhead,
+        gateway_overhead, grpc_stream, kv_store, prefix_cache, routing, serve, spec_decode, throughput, tp_memory,
+        tp_overhead,
     )
 
     throughput.add_parser(kinds)
@@ -21,6 +22,7 @@ def add_bench_parser(sub) -> None:
     serve.add_parser(kinds)
     tp_overhead.add_parser(kinds)
     tp_memory.add_parser(kinds)
+    spec_decode.add_parser(kinds)
     bench.set_defaults(func=run_bench)
 
 
