@@ -197,11 +197,20 @@ class ModelRunner:
         reads its results from rank 0 only."""
         width = 1 + (batch.spec.max_num_drafts if batch.spec is not None else 0)
         emitted = torch.empty(len(batch.sampling_states), width, dtype=torch.int64, device=self.device)
-        for state, tokens in zip(batch.sampling_states, self.group.broadcast_from_first(emitted).tolist()):
-            for token in tokens:
-                if token != PAD:
-                    state.append_output(token)
+        self._append_emitted(batch.sampling_states, self.group.broadcast_from_first(emitted).tolist())
         return ModelRunnerOutput({})
+
+    @staticmethod
+    def _append_emitted(states: list[CachedRequestState], emitted: list[list[int]]) -> list[list[int]]:
+        """Append each request's emitted tokens (its row without the PAD fill)
+        to its state, identically on every rank; returns them."""
+        appended = []
+        for state, row in zip(states, emitted):
+            tokens = [t for t in row if t != PAD]
+            for token in tokens:
+                state.append_output(token)
+            appended.append(tokens)
+        return appended
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -373,12 +382,9 @@ class ModelRunner:
         self, batch: BatchInputs, emitted: list[list[int]], out: SamplerOutput | None
     ) -> ModelRunnerOutput:
         states = batch.sampling_states
-        sampled_ids, logprobs = {}, {}
-        for state, tokens in zip(states, emitted):
-            tokens = [t for t in tokens if t != PAD]
-            for token in tokens:
-                state.append_output(token)
-            sampled_ids[state.req_id] = tokens
+        appended = self._append_emitted(states, emitted)
+        sampled_ids = {state.req_id: tokens for state, tokens in zip(states, appended)}
+        logprobs = {}
         if out is not None and out.logprobs is not None:
             # Only requests without drafts ask for logprobs (spec_decode/fallback.py).
             plain = [states[i] for i in batch.spec.plain] if batch.spec is not None else states
