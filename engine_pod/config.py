@@ -12,6 +12,7 @@ from engine_pod.attention.backend import check_backend_name
 from engine_pod.core.request_queue import SchedulingPolicy
 from engine_pod.core.scheduler import SchedulerConfig
 from engine_pod.model.hf_config import ModelArchConfig, load_arch_config, parse_dtype
+from engine_pod.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_backend: str = "auto"
     seed: int = 0
+    # None: no speculative decoding.
+    speculative: SpeculativeConfig | None = None
 
 
 def _resolve_device(device: str | None) -> torch.device:
@@ -200,8 +203,10 @@ def create_engine_config(
     kv_write_queue_size: int = 256,
     tensor_parallel_size: int = 1,
     worker_threads: int | None = None,
+    speculative_config: SpeculativeConfig | dict | str | None = None,
 ) -> EngineConfig:
     path = Path(model)
+    speculative = SpeculativeConfig.parse(speculative_config)
     parallel = ParallelConfig(tensor_parallel_size, worker_threads)
     arch = load_arch_config(path)
     parallel.validate_for(arch)
@@ -246,4 +251,5 @@ def create_engine_config(
         parallel=parallel,
         attention_backend=attention_backend,
         seed=seed,
+        speculative=speculative,
     )

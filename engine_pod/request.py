@@ -60,6 +60,11 @@ class Request:
     first_scheduled_time: float | None = None
     stop_reason: int | str | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # Draft tokens proposed for the next step (speculative decoding): never
+    # part of all_token_ids, hashed or cached until the model verifies them.
+    # The scheduler may schedule fewer; a constraint on the output (a
+    # grammar) trims them here before they are scheduled.
+    spec_token_ids: list[int] = field(default_factory=list)
     # Block size used for block_hashes; 0 when prefix caching is off.
     _hash_block_size: int = 0
 

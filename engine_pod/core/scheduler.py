@@ -6,6 +6,11 @@ requests first (decodes and remaining prefill chunks), then waiting ones.
 A prompt longer than the remaining budget is chunked. When the pool cannot
 hold a running request's next tokens, the lowest-priority, latest-arrived
 running request is preempted by recompute.
+
+Speculative decoding: a decoding request's drafts (Request.spec_token_ids)
+are scheduled after its last verified token, as far as the budget and its
+length limits allow; after the step num_computed_tokens is rolled back past
+the rejected ones, whose KV slots the next step overwrites.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from engine_pod.core.scheduler_output import (
 )
 from engine_pod.core.stats import SchedulerStats
 from engine_pod.request import Request, RequestStatus
+from engine_pod.spec_decode.metrics import SpecDecodeStats
 
 if TYPE_CHECKING:  # the manager pulls in xgrammar: the scheduler alone does not need it
     from engine_pod.structured_output.manager import StructuredOutputManager
@@ -94,6 +100,7 @@ class Scheduler:
         self.waiting_for_fsm: list[Request] = []
         # Requests whose grammar failed to compile: reported by the next update.
         self._failed_grammars: list[Request] = []
+        self.spec_decode_stats = SpecDecodeStats()
 
     # -- requests in and out ----------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -170,6 +177,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
+        scheduled_drafts: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
 
@@ -180,10 +188,15 @@ class Scheduler:
             if num_new <= 0:
                 idx += 1
                 continue
+            num_drafts = self._num_drafts_to_schedule(request, num_new, budget)
             while True:
-                blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                blocks = self.kv_cache_manager.allocate_slots(request, num_new + num_drafts)
                 if blocks is not None:
                     break
+                if num_drafts:
+                    # Drafts are optional: drop them before preempting anyone.
+                    num_drafts = 0
+                    continue
                 victim = self._pick_victim()
                 if victim in scheduled_running:
                     # Preempting a request already given tokens this step hands
@@ -191,6 +204,7 @@ class Scheduler:
                     scheduled_running.remove(victim)
                     budget += num_scheduled.pop(victim.request_id)
                     new_blocks.pop(victim.request_id, None)
+                    scheduled_drafts.pop(victim.request_id, None)
                 if self.running.index(victim) < idx:
                     idx -= 1  # removing it shifts the current request left
                 self._preempt(victim)
@@ -202,6 +216,9 @@ class Scheduler:
                 # need not be last); idx already names the next one.
                 continue
             scheduled_running.append(request)
+            if num_drafts:
+                scheduled_drafts[request.request_id] = request.spec_token_ids[:num_drafts]
+                num_new += num_drafts
             self._on_scheduled(request, request.num_computed_tokens, num_new)
             num_scheduled[request.request_id] = num_new
             new_blocks[request.request_id] = [b.block_id for b in blocks]
@@ -215,18 +232,23 @@ class Scheduler:
             budget = self._schedule_waiting(budget, num_scheduled, scheduled_new)
 
         output = self._make_output(scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted)
+        output.scheduled_spec_decode_tokens = scheduled_drafts
         if self.structured_output is not None and self.structured_output.has_matchers:
-            output.grammar_bitmask = self.structured_output.grammar_bitmask(self._sampling_req_ids(num_scheduled))
+            output.grammar_bitmask = self.structured_output.grammar_bitmask(
+                self._sampling_req_ids(num_scheduled, scheduled_drafts), scheduled_drafts
+            )
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
         self.finished_req_ids = set()
         return output
 
-    def _sampling_req_ids(self, num_scheduled: dict[str, int]) -> list[str]:
-        """Requests whose scheduled tokens reach their end: they sample this step."""
+    def _sampling_req_ids(self, num_scheduled: dict[str, int], drafts: dict[str, list[int]]) -> list[str]:
+        """Requests whose scheduled tokens (past their drafts) reach their
+        end: they sample this step."""
         return [
             req_id for req_id, n in num_scheduled.items()
-            if self.requests[req_id].num_computed_tokens + n == self.requests[req_id].num_tokens
+            if self.requests[req_id].num_computed_tokens + n - len(drafts.get(req_id, ()))
+            == self.requests[req_id].num_tokens
         ]
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
@@ -235,6 +257,24 @@ class Scheduler:
         if threshold and num_new > threshold:
             num_new = threshold
         return min(num_new, budget, self.config.max_model_len - num_computed)
+
+    def _num_drafts_to_schedule(self, request: Request, num_new: int, budget: int) -> int:
+        """How many of the request's drafts ride along with its ``num_new``
+        verified tokens: none unless those reach its last token; never more
+        than the budget left, nor more than could be kept (a step emits at
+        most drafts + 1 tokens, within max_tokens and max_model_len)."""
+        drafts = request.spec_token_ids
+        if not drafts or request.num_computed_tokens + num_new < request.num_tokens:
+            return 0
+        limits = [len(drafts), budget - num_new, self.config.max_model_len - request.num_tokens - 1]
+        if request.max_tokens is not None:
+            limits.append(request.max_tokens - request.num_output_tokens - 1)
+        num_drafts = max(0, min(limits))
+        if num_drafts and request.use_structured_output:
+            # Drafts the grammar refuses would be rejected anyway; cut them so
+            # the runner's masks after each draft prefix stay well defined.
+            num_drafts = self.structured_output.validate_tokens(request.request_id, drafts[:num_drafts])
+        return num_drafts
 
     def _schedule_waiting(
         self, budget: int, num_scheduled: dict[str, int], scheduled_new: list[Request]
@@ -291,6 +331,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self._num_new_preemptions += 1
         self.waiting.prepend(request)
@@ -348,10 +389,9 @@ class Scheduler:
             sampled = runner_output.sampled_token_ids.get(req_id)
             if request is None or request.is_finished or not sampled:
                 continue  # aborted meanwhile, or a prefill chunk short of the end
-            request.append_output_token_ids(sampled)
-            status, stop_reason = self._check_stop(request)
-            if request.use_structured_output:
-                status = self._advance_grammar(request, sampled, status)
+            self._roll_back_rejected(request, scheduler_output.scheduled_spec_decode_tokens.get(req_id), sampled)
+            request.spec_token_ids = runner_output.draft_token_ids.get(req_id, [])
+            sampled, status, stop_reason = self._append_until_stop(request, sampled)
             cached = max(request.num_cached_tokens, 0)
             out = EngineCoreOutput(
                 req_id, sampled, runner_output.logprobs.get(req_id),
@@ -377,6 +417,32 @@ class Scheduler:
         if status is None and self.structured_output.is_terminated(request.request_id):
             return RequestStatus.FINISHED_STOPPED
         return status
+
+    def _roll_back_rejected(self, request: Request, drafts: list[int] | None, sampled: list[int]) -> None:
+        """Un-compute the rejected drafts: all but the last emitted token are
+        accepted drafts. Their KV slots hold garbage the next step overwrites;
+        allocate_slots never caches past request.num_tokens, so no block
+        holding them was hashed."""
+        if not drafts:
+            return
+        num_accepted = len(sampled) - 1
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        self.spec_decode_stats.observe(len(drafts), num_accepted)
+
+    def _append_until_stop(
+        self, request: Request, sampled: list[int]
+    ) -> tuple[list[int], RequestStatus | None, int | None]:
+        """Append emitted tokens one by one, as non-speculative decoding
+        would have (the grammar, if any, advancing with each); whatever
+        follows a stop is dropped."""
+        for i, token in enumerate(sampled):
+            request.append_output_token_ids([token])
+            status, stop_reason = self._check_stop(request)
+            if request.use_structured_output:
+                status = self._advance_grammar(request, [token], status)
+            if status is not None:
+                return sampled[: i + 1], status, stop_reason
+        return sampled, None, None
 
     def _check_stop(self, request: Request) -> tuple[RequestStatus | None, int | None]:
         params = request.sampling_params
@@ -414,6 +480,7 @@ class Scheduler:
             num_preemptions=self._num_new_preemptions,
             kv_waste_slots=waste,
             external_prefix_hits=self._take_external_hits(),
+            spec_decode=self.spec_decode_stats.take(),
         )
         self._num_new_preemptions = 0
         return stats

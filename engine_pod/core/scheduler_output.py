@@ -60,6 +60,9 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Requests preempted this step: the runner keeps their state for resumption.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # request id -> the drafts it verifies this step (the last tokens of its
+    # num_scheduled_tokens); requests without drafts are absent.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     kv_connector: KVConnectorMetadata | None = None
     # Next-token masks of the guided requests that sample this step.
     grammar_bitmask: GrammarBitmask | None = None
@@ -89,3 +92,5 @@ class ModelRunnerOutput:
     # reach the end of the prompt sample nothing).
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    # Speculative decoding: request id -> drafts proposed for its next step.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

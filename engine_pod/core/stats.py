@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from engine_pod.spec_decode.metrics import SpecDecodeStats
 
 
 @dataclass
@@ -20,6 +22,7 @@ class SchedulerStats:
     kv_waste_slots: int = 0
     # Prompt tokens loaded from the KV store instead of computed.
     external_prefix_hits: int = 0
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
 
 @dataclass
@@ -33,6 +36,7 @@ class EngineTotals:
     max_kv_waste_slots: int = 0
     max_kv_waste_per_request: float = 0.0
     external_prefix_hits: int = 0
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
     def add(self, stats: SchedulerStats) -> None:
         self.steps += 1
@@ -40,6 +44,7 @@ class EngineTotals:
         self.prefix_cache_hits += stats.prefix_cache_hits
         self.num_preemptions += stats.num_preemptions
         self.external_prefix_hits += stats.external_prefix_hits
+        self.spec_decode.add(stats.spec_decode)
         self.max_kv_waste_slots = max(self.max_kv_waste_slots, stats.kv_waste_slots)
         if stats.num_running_reqs:
             per_req = stats.kv_waste_slots / stats.num_running_reqs

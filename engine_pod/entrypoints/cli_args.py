@@ -27,6 +27,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "TRITON_INTERPRET=1 (slow, for tests)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks to split the model across, one worker process each (gloo on CPU, nccl on CUDA)")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\'')
     k = parser.add_argument_group("KV store")
     k.add_argument("--kv-host-bytes", type=int, default=0, help="host-memory tier budget in bytes (0: off)")
     k.add_argument("--kv-redis-url", default=None, help="redis:// or rediss:// URL of the shared tier")
@@ -58,4 +61,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_redis_cluster=args.kv_redis_cluster,
         kv_write_queue_size=args.kv_write_queue_size,
         tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=args.speculative_config,
     )

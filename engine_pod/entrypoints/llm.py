@@ -25,7 +25,7 @@ class LLM:
     Keyword arguments are those of ``create_engine_config`` (block_size,
     max_num_batched_tokens, max_num_seqs, num_gpu_blocks,
     kv_cache_memory_bytes, enable_prefix_caching, scheduling_policy, dtype,
-    max_model_len, device, ...).
+    max_model_len, device, speculative_config, ...).
     """
 
     def __init__(self, model: str, *, tokenizer: str | None = None, tensor_parallel_size: int = 1, **engine_kwargs):

@@ -65,6 +65,25 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def apply_temperature_and_truncation(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    min_p: torch.Tensor | None,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """The distribution random sampling draws from, as logits: temperature,
+    then min-p, then top-k / top-p. Rows with temperature 0 (greedy) are
+    scaled by 1; their caller takes the argmax of the raw logits instead."""
+    temperature = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    logits = logits / temperature.unsqueeze(1)
+    if min_p is not None:
+        logits = apply_min_p(logits, min_p)
+    if top_k is not None or top_p is not None:
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    return logits
+
+
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """Sample one token per row by the exponential race (argmax p / E with
     E ~ Exp(1)), which needs no cumsum or host sync. Seeded rows draw their

@@ -9,9 +9,8 @@ import torch
 from engine_pod.sample.metadata import SamplingMetadata
 from engine_pod.sample.ops import (
     apply_grammar_bitmask,
-    apply_min_p,
     apply_penalties,
-    apply_top_k_top_p,
+    apply_temperature_and_truncation,
     random_sample,
 )
 
@@ -63,13 +62,8 @@ class Sampler:
         greedy = logits.argmax(dim=-1) if not md.all_random else None
         if md.all_greedy:
             return greedy
-        # Greedy rows get temperature 1 here; their sample is discarded below.
-        temperature = torch.where(md.temperature > 0, md.temperature, torch.ones_like(md.temperature))
-        logits = logits / temperature.unsqueeze(1)
-        if md.min_p is not None:
-            logits = apply_min_p(logits, md.min_p)
-        if md.top_k is not None or md.top_p is not None:
-            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        # Greedy rows are sampled too here; their sample is discarded below.
+        logits = apply_temperature_and_truncation(logits, md.temperature, md.min_p, md.top_k, md.top_p)
         sampled = random_sample(logits.softmax(dim=-1), md.generators)
         if greedy is None:
             return sampled

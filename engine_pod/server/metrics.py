@@ -37,6 +37,13 @@ class EngineMetrics:
         self.prefix_cache_queries = counter("tessera:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("tessera:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.num_preemptions = counter("tessera:num_preemptions", "Requests preempted (recompute)")
+        # Mean accepted length = 1 + accepted_tokens / drafts; acceptance rate = accepted / draft_tokens.
+        self.spec_decode_num_drafts = counter(
+            "tessera:spec_decode_num_drafts", "Verification steps of a request that carried drafts")
+        self.spec_decode_num_draft_tokens = counter(
+            "tessera:spec_decode_num_draft_tokens", "Draft tokens verified by the target model")
+        self.spec_decode_num_accepted_tokens = counter(
+            "tessera:spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.prompt_tokens = counter("tessera:prompt_tokens", "Prompt tokens processed (counted at the first token)")
         self.generation_tokens = counter("tessera:generation_tokens", "Generated tokens")
         self._request_success = Counter(
@@ -55,6 +62,9 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions)
+        self.spec_decode_num_drafts.inc(stats.spec_decode.num_drafts)
+        self.spec_decode_num_draft_tokens.inc(stats.spec_decode.num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(stats.spec_decode.num_accepted_tokens)
 
     def on_first_token(self, num_prompt_tokens: int, arrival: float, scheduled: float | None, now: float) -> None:
         """The prompt is fully processed: count it, and the request's waits."""

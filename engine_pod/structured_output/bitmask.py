@@ -19,15 +19,20 @@ class GrammarBitmask:
     req_ids: list[str]
     bitmask: np.ndarray
 
-    def rows_for(self, req_ids: list[str]) -> np.ndarray | None:
-        """The masks in the runner's row order, all-allowed for requests
-        without a grammar; None when none of them has one."""
-        index = {r: i for i, r in enumerate(self.req_ids)}
-        picks = [index.get(r, -1) for r in req_ids]
-        if all(p < 0 for p in picks):
+    def rows_for(self, req_ids: list[str], num_rows: list[int]) -> np.ndarray | None:
+        """The masks in the runner's row order, ``num_rows[i]`` rows for
+        ``req_ids[i]`` (1 + its drafts under speculative decoding; a
+        request's rows here are contiguous and as many), all-allowed for
+        requests without a grammar; None when none of them has one."""
+        first: dict[str, int] = {}
+        for i, req_id in enumerate(self.req_ids):
+            first.setdefault(req_id, i)
+        if not any(r in first for r in req_ids):
             return None
-        rows = np.full((len(req_ids), self.bitmask.shape[1]), ALL_ALLOWED, dtype=np.int32)
-        for row, pick in enumerate(picks):
-            if pick >= 0:
-                rows[row] = self.bitmask[pick]
+        rows = np.full((sum(num_rows), self.bitmask.shape[1]), ALL_ALLOWED, dtype=np.int32)
+        out = 0
+        for req_id, n in zip(req_ids, num_rows):
+            if req_id in first:
+                rows[out : out + n] = self.bitmask[first[req_id] : first[req_id] + n]
+            out += n
         return rows

@@ -10,6 +10,12 @@ Under tensor parallelism every rank runs one of these on the same scheduler
 output: the same batch, its own shard of the model and of the KV heads.
 Rank 0 samples from the gathered logits and broadcasts the sampled ids, so
 every rank's request states (the tokens of the next step) stay identical.
+
+With speculative decoding a request's scheduled tokens end with its drafts;
+logits are computed at the last verified token and at every draft, the
+rejection sampler keeps the accepted prefix, and rank 0 proposes the next
+drafts from the updated context. The broadcast is then a [B, k + 1] table of
+emitted tokens padded with -1, since requests keep different numbers.
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ from engine_pod.core.scheduler_output import (
 from engine_pod.model.loader import build_model
 from engine_pod.sample.metadata import SamplingMetadata
 from engine_pod.sample.sampler import Sampler, SamplerOutput
+from engine_pod.spec_decode.fallback import can_speculate
+from engine_pod.spec_decode.metadata import SpecDecodeMetadata
+from engine_pod.spec_decode.ngram_proposer import NgramProposer
+from engine_pod.spec_decode.rejection_sampler import PAD, RejectionSampler
 from engine_pod.worker.cpu_malloc import keep_freed_memory_in_heap
 from engine_pod.worker.kv_cache import allocate_kv_caches, bytes_per_block
 from engine_pod.worker.kv_connector_worker import KVConnectorWorker
@@ -50,6 +60,8 @@ class BatchInputs:
     # the requests that sample this step, in logits row order.
     logits_indices: torch.Tensor | None = None
     sampling_states: list[CachedRequestState] = field(default_factory=list)
+    # Set when a sampling request carries drafts this step.
+    spec: SpecDecodeMetadata | None = None
 
 
 class ModelRunner:
@@ -70,6 +82,9 @@ class ModelRunner:
             self.group,
         )
         self.sampler = Sampler()
+        spec_config = config.speculative
+        self.drafter = NgramProposer(spec_config) if spec_config is not None else None
+        self.rejection_sampler = RejectionSampler() if spec_config is not None else None
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, blocks, block_size, Hkv, D]
         self.kv_caches: list[torch.Tensor] = []  # per-layer views of kv_cache
@@ -171,21 +186,31 @@ class ModelRunner:
         if not batch.sampling_states:
             return ModelRunnerOutput({})
         if not self.group.is_first:
-            return self._follow_first_rank(batch.sampling_states)
-        md = self._sampling_metadata(batch.sampling_states)
-        md.grammar_bitmask = self._grammar_bitmask(so, batch.sampling_states)
-        out = self.sampler(logits, md)
+            return self._follow_first_rank(batch)
+        emitted, out = self._sample(logits, batch, self._grammar_bitmask(so, batch))
         if self.group.world_size > 1:
-            self.group.broadcast_from_first(out.sampled.to(torch.int64).contiguous())
-        return self._to_output(batch.sampling_states, out)
+            self.group.broadcast_from_first(emitted.contiguous())
+        return self._to_output(batch, emitted.tolist(), out)
 
-    def _follow_first_rank(self, states: list[CachedRequestState]) -> ModelRunnerOutput:
-        """A rank other than 0: take the tokens rank 0 sampled; the engine
+    def _follow_first_rank(self, batch: BatchInputs) -> ModelRunnerOutput:
+        """A rank other than 0: take the tokens rank 0 emitted; the engine
         reads its results from rank 0 only."""
-        sampled = torch.empty(len(states), dtype=torch.int64, device=self.device)
-        for state, token in zip(states, self.group.broadcast_from_first(sampled).tolist()):
-            state.append_output(token)
+        width = 1 + (batch.spec.max_num_drafts if batch.spec is not None else 0)
+        emitted = torch.empty(len(batch.sampling_states), width, dtype=torch.int64, device=self.device)
+        self._append_emitted(batch.sampling_states, self.group.broadcast_from_first(emitted).tolist())
         return ModelRunnerOutput({})
+
+    @staticmethod
+    def _append_emitted(states: list[CachedRequestState], emitted: list[list[int]]) -> list[list[int]]:
+        """Append each request's emitted tokens (its row without the PAD fill)
+        to its state, identically on every rank; returns them."""
+        appended = []
+        for state, row in zip(states, emitted):
+            tokens = [t for t in row if t != PAD]
+            for token in tokens:
+                state.append_output(token)
+            appended.append(tokens)
+        return appended
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -211,18 +236,25 @@ class ModelRunner:
         # Single-token queries first: the backend runs them as one batched decode.
         order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
         states = [self.requests[r] for r in order]
+        drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in order]
         token_chunks = []
-        for state in states:
+        for state, state_drafts in zip(states, drafts):
             start = state.num_computed_tokens
-            token_chunks.append(state.token_ids[start : start + so.num_scheduled_tokens[state.req_id]])
+            end = start + so.num_scheduled_tokens[state.req_id] - len(state_drafts)
+            token_chunks.append(state.token_ids[start:end] + state_drafts)
         batch = self._build_batch(
             token_chunks, [s.num_computed_tokens for s in states], [s.block_ids for s in states]
         )
         ends = batch.metadata.seq_lens_cpu
-        sampling_rows = [i for i, s in enumerate(states) if ends[i] == s.num_tokens]
+        sampling_rows = [i for i, s in enumerate(states) if ends[i] == s.num_tokens + len(drafts[i])]
         batch.sampling_states = [states[i] for i in sampling_rows]
         last_token = batch.metadata.query_start_loc_cpu[1:] - 1
-        batch.logits_indices = torch.from_numpy(last_token[sampling_rows]).to(self.device)
+        indices = last_token[sampling_rows]
+        if any(drafts[i] for i in sampling_rows):
+            batch.spec = SpecDecodeMetadata([drafts[i] for i in sampling_rows])
+            num_drafts = np.array([len(drafts[i]) for i in sampling_rows], dtype=np.int64)
+            indices = SpecDecodeMetadata.logits_indices(indices, num_drafts)
+        batch.logits_indices = torch.from_numpy(indices).to(self.device)
         return batch
 
     def _build_batch(
@@ -262,6 +294,36 @@ class ModelRunner:
         return BatchInputs(dev(input_ids), dev(positions), metadata)
 
     # -- sampling ---------------------------------------------------------
+    def _sample(
+        self, logits: torch.Tensor, batch: BatchInputs, grammar: torch.Tensor | None
+    ) -> tuple[torch.Tensor, SamplerOutput | None]:
+        """[B, 1 + max drafts] tokens each sampling request emits (PAD-filled),
+        and the plain sampler's output for the requests without drafts.
+        ``grammar`` holds one bitmask row per logits row (None: no grammar)."""
+        states, spec = batch.sampling_states, batch.spec
+        if spec is None:
+            md = self._sampling_metadata(states)
+            md.grammar_bitmask = grammar
+            out = self.sampler(logits, md)
+            return out.sampled.to(torch.int64).unsqueeze(1), out
+        emitted = torch.full((len(states), spec.max_num_drafts + 1), PAD, dtype=torch.int64, device=self.device)
+        out = None
+        if spec.plain:
+            rows = torch.from_numpy(spec.plain_rows()).to(self.device)
+            md = self._sampling_metadata([states[i] for i in spec.plain])
+            md.grammar_bitmask = grammar[rows] if grammar is not None else None
+            out = self.sampler(logits[rows], md)
+            emitted[spec.plain, 0] = out.sampled.to(torch.int64)
+        verified = spec.speculative
+        # One metadata row per logits row: each request's rows share its parameters.
+        row_states = [states[i] for i in verified for _ in range(len(spec.draft_token_ids[i]) + 1)]
+        rows = torch.from_numpy(spec.speculative_rows()).to(self.device)
+        md = self._sampling_metadata(row_states)
+        md.grammar_bitmask = grammar[rows] if grammar is not None else None
+        tokens = self.rejection_sampler(logits[rows], md, [spec.draft_token_ids[i] for i in verified])
+        emitted[verified, : tokens.shape[1]] = tokens
+        return emitted, out
+
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]
         dev, V = self.device, self.vocab_size
@@ -293,11 +355,14 @@ class ModelRunner:
             self._add_penalties(md, states)
         return md
 
-    def _grammar_bitmask(self, so: SchedulerOutput, states: list[CachedRequestState]) -> torch.Tensor | None:
-        """The scheduler's grammar masks in this batch's row order."""
+    def _grammar_bitmask(self, so: SchedulerOutput, batch: BatchInputs) -> torch.Tensor | None:
+        """The scheduler's grammar masks in this batch's logits row order
+        (a request with drafts has one row per draft position and one more)."""
         if so.grammar_bitmask is None:
             return None
-        rows = so.grammar_bitmask.rows_for([s.req_id for s in states])
+        states = batch.sampling_states
+        num_rows = [1] * len(states) if batch.spec is None else [len(d) + 1 for d in batch.spec.draft_token_ids]
+        rows = so.grammar_bitmask.rows_for([s.req_id for s in states], num_rows)
         return None if rows is None else torch.from_numpy(rows).to(self.device)
 
     def _min_tokens_mask(self, states: list[CachedRequestState]) -> torch.Tensor | None:
@@ -330,15 +395,31 @@ class ModelRunner:
                 s.prompt_mask[torch.tensor(s.prompt_token_ids, device=dev)] = True
         md.prompt_token_mask = torch.stack([s.prompt_mask for s in states])
 
-    def _to_output(self, states: list[CachedRequestState], out: SamplerOutput) -> ModelRunnerOutput:
-        sampled = out.sampled.tolist()
-        sampled_ids, logprobs = {}, {}
-        if out.logprobs is not None:
+    def _to_output(
+        self, batch: BatchInputs, emitted: list[list[int]], out: SamplerOutput | None
+    ) -> ModelRunnerOutput:
+        states = batch.sampling_states
+        appended = self._append_emitted(states, emitted)
+        sampled_ids = {state.req_id: tokens for state, tokens in zip(states, appended)}
+        logprobs = {}
+        if out is not None and out.logprobs is not None:
+            # Only requests without drafts ask for logprobs (spec_decode/fallback.py).
+            plain = [states[i] for i in batch.spec.plain] if batch.spec is not None else states
             lp_ids, lp_vals, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
-        for i, (state, token) in enumerate(zip(states, sampled)):
-            state.append_output(token)
-            sampled_ids[state.req_id] = [token]
-            k = state.sampling_params.logprobs
-            if k is not None:
-                logprobs[state.req_id] = [Logprobs(lp_ids[i][: k + 1], lp_vals[i][: k + 1], ranks[i])]
-        return ModelRunnerOutput(sampled_ids, logprobs)
+            for i, state in enumerate(plain):
+                k = state.sampling_params.logprobs
+                if k is not None:
+                    logprobs[state.req_id] = [Logprobs(lp_ids[i][: k + 1], lp_vals[i][: k + 1], ranks[i])]
+        return ModelRunnerOutput(sampled_ids, logprobs, self._propose_drafts(states))
+
+    def _propose_drafts(self, states: list[CachedRequestState]) -> dict[str, list[int]]:
+        """Next step's drafts, from each request's context as it now stands."""
+        if self.drafter is None:
+            return {}
+        drafts = {}
+        for state in states:
+            if can_speculate(state.sampling_params, len(state.output_token_ids)):
+                proposal = self.drafter.propose(state.token_ids)
+                if proposal:
+                    drafts[state.req_id] = proposal
+        return drafts

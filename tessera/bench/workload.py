@@ -64,3 +64,23 @@ def shared_prefix(
         s = rng.randrange(0, len(tokens) - suffix_len)
         requests.append(BenchRequest(prefix + tokens[s : s + suffix_len], output_len))
     return requests
+
+
+def copy_heavy(
+    tokenizer: PreTrainedTokenizerBase,
+    num_requests: int = 4,
+    passage_len: int = 64,
+    repeats: int = 3,
+    output_len: int = 64,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """Prompts that repeat a passage of text several times (code edits,
+    quoting, summaries of a document): the continuation tends to copy
+    earlier text, which is what n-gram speculation drafts from."""
+    rng = random.Random(seed)
+    tokens = _text_tokens(tokenizer)
+    requests = []
+    for _ in range(num_requests):
+        start = rng.randrange(0, len(tokens) - passage_len)
+        requests.append(BenchRequest(tokens[start : start + passage_len] * repeats, output_len))
+    return requests

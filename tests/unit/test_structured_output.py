@@ -58,9 +58,16 @@ def test_apply_grammar_bitmask_matches_xgrammar(backend, tokenizer):
 
 def test_bitmask_rows_follow_the_runner_order():
     mask = GrammarBitmask(["b", "d"], np.array([[7, 7], [9, 9]], dtype=np.int32))
-    rows = mask.rows_for(["a", "d", "b"])
+    rows = mask.rows_for(["a", "d", "b"], [1, 1, 1])
     assert rows.tolist() == [[-1, -1], [9, 9], [7, 7]]
-    assert mask.rows_for(["a", "c"]) is None
+    assert mask.rows_for(["a", "c"], [1, 1]) is None
+
+
+def test_bitmask_rows_expand_per_draft_position():
+    # "b" verifies two drafts (three rows), "a" is unguided with one draft.
+    mask = GrammarBitmask(["b", "b", "b", "d"], np.array([[1, 1], [2, 2], [3, 3], [9, 9]], dtype=np.int32))
+    rows = mask.rows_for(["a", "b", "d"], [2, 3, 1])
+    assert rows.tolist() == [[-1, -1], [-1, -1], [1, 1], [2, 2], [3, 3], [9, 9]]
 
 
 def test_validate_drafts_counts_the_accepted_prefix_without_advancing(backend, tokenizer):
