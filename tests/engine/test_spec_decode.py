@@ -9,6 +9,7 @@ forward cannot flip a near-tied greedy choice against one-at-a-time decoding.
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -155,3 +156,33 @@ def test_engine_pod_exits_2_on_a_bad_speculative_config(tiny_llama):
     )
     assert proc.returncode == 2
     assert "speculative_config.prompt_lookup_min" in proc.stderr
+
+
+def test_guided_requests_speculate_within_their_grammar(tiny_llama):
+    """Drafts of guided requests are cut to what the grammar accepts and each
+    draft position is masked by the grammar's state after the drafts before
+    it: outputs equal guided decoding without speculation, and follow the
+    constraint. The regex repeats a phrase (n-gram drafts come from it) and
+    then forbids the repetition, so drafts must be cut where it ends."""
+    import re
+
+    from engine_pod.structured_output import StructuredOutputsParams
+
+    pattern = r"(ab ){6}[a-z]{1,3}\."
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["aa", "bb"]},
+                                                        "minItems": 4, "maxItems": 6}},
+              "required": ["tags"], "additionalProperties": False}
+    constraints = [dict(regex=pattern), dict(json=schema)] * 3
+    params = [SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=StructuredOutputsParams(**c))
+              for c in constraints]
+    prompts = PROMPTS[: len(params)]
+    plain, _ = generate(tiny_llama, prompts, params=params)
+    spec, stats = generate(tiny_llama, prompts, params=params, speculative_config=SPEC)
+    assert_same(spec, plain)
+    assert stats.spec_decode.num_accepted_tokens > 0, stats.spec_decode
+    for out, constraint in zip(spec, constraints):
+        assert out.finish_reason == "stop", out.text
+        if "regex" in constraint:
+            assert re.fullmatch(pattern, out.text), out.text
+        else:
+            assert len(json.loads(out.text)["tags"]) >= 4
