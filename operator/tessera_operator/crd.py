@@ -34,8 +34,14 @@ DEFAULT_IMAGE = "ghcr.io/tessera-ai/tessera:0.1.0"
 # Longest object suffix is "-gateway" (8); Service names stop at 63 characters.
 MAX_NAME_LENGTH = 50
 POOL_NAMES = ("mixed", "prefill", "decode")
+# The engine's own choices (the operator does not import the engine, which
+# pulls in torch); tests/operator/test_reconcile.py checks they agree.
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SPEC_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 32
 MIN_LE_MAX_RULE = "self.minReplicas <= self.maxReplicas"
 ONE_SOURCE_RULE = "has(self.pvc) != has(self.hostPath)"
+LOOKUP_BOUNDS_RULE = "self.promptLookupMin <= self.promptLookupMax"
 DEFAULT_CLASS_RULE = "self.priorityClasses.exists(c, c.name == self.defaultPriorityClass)"
 NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 NAME_RULE = f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && self.metadata.name.matches('{NAME_PATTERN}')"
@@ -148,7 +154,23 @@ def _engine() -> Schema:
         "drainTimeoutSeconds": integer("Seconds in-flight requests get to finish after SIGTERM; the pods' "
                                        "termination grace period follows from it.", default=30, minimum=0,
                                        maximum=3600),
+        "attentionBackend": string("auto: triton kernels on GPUs, torch on CPU; torch or triton to force one "
+                                   "(triton on a model it cannot run fails the pod at start-up).",
+                                   enum=list(ATTENTION_BACKENDS), default="auto"),
+        "speculative": _speculative(),
     }, default={})
+
+
+def _speculative() -> Schema:
+    return obj("Speculative decoding (off when absent): n-gram drafts from the request's own context, "
+               "verified in the same forward; greedy outputs are unchanged.", {
+        "method": string("Draft method.", enum=list(SPEC_METHODS), default="ngram"),
+        "numSpeculativeTokens": integer("Drafts proposed per request and step.", minimum=1,
+                                        maximum=MAX_SPECULATIVE_TOKENS),
+        "promptLookupMin": integer("Shortest context suffix matched to find drafts.", default=2, minimum=1),
+        "promptLookupMax": integer("Longest context suffix matched to find drafts.", default=4, minimum=1),
+    }, required=["numSpeculativeTokens"],
+        rules=[(LOOKUP_BOUNDS_RULE, "promptLookupMin must not exceed promptLookupMax")])
 
 
 def _kv_store() -> Schema:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from kubernetes.utils.quantity import parse_quantity
 
 from tessera_operator import names, pod_parts
@@ -28,7 +30,10 @@ def engine_args(spec: dict, role: str) -> list[str]:
              "--gpu-memory-utilization", str(engine["gpuMemoryUtilization"]),
              "--scheduling-policy", engine["schedulingPolicy"],
              "--tensor-parallel-size", str(engine["tensorParallelSize"]),
-             "--drain-timeout", str(engine["drainTimeoutSeconds"])]
+             "--drain-timeout", str(engine["drainTimeoutSeconds"]),
+             "--attention-backend", engine["attentionBackend"]]
+    if "speculative" in engine:
+        args += ["--speculative-config", speculative_config_json(engine["speculative"])]
     if not engine["prefixCaching"]:
         args.append("--no-prefix-caching")
     host_bytes = int(parse_quantity(kv["hostMemory"]))
@@ -38,6 +43,16 @@ def engine_args(spec: dict, role: str) -> list[str]:
         # The kubelet expands $(VAR) from the container's env: the password stays in the Secret.
         args += ["--kv-redis-url", f"$({REDIS_URL_ENV})"]
     return args
+
+
+def speculative_config_json(speculative: dict) -> str:
+    """The engine's `--speculative-config` (vLLM's snake_case keys)."""
+    return json.dumps({
+        "method": speculative["method"],
+        "num_speculative_tokens": speculative["numSpeculativeTokens"],
+        "prompt_lookup_min": speculative["promptLookupMin"],
+        "prompt_lookup_max": speculative["promptLookupMax"],
+    }, separators=(",", ":"))
 
 
 def engine_env(spec: dict) -> list[dict]:

@@ -33,7 +33,8 @@ FULL_SPEC = {
     "mode": "disaggregated",
     "engine": {"tensorParallelSize": 4, "blockSize": 32, "maxNumBatchedTokens": 4096, "maxNumSeqs": 64,
                "prefixCaching": False, "gpuMemoryUtilization": 0.85, "schedulingPolicy": "fcfs",
-               "gpuResourceName": "amd.com/gpu", "drainTimeoutSeconds": 45},
+               "gpuResourceName": "amd.com/gpu", "drainTimeoutSeconds": 45, "attentionBackend": "triton",
+               "speculative": {"numSpeculativeTokens": 3, "promptLookupMax": 5}},
     "pools": {
         "prefill": {"replicas": 2, "minReplicas": 1, "maxReplicas": 3,
                     "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "80Gi"}},
@@ -81,7 +82,7 @@ def test_engine_args_carry_every_engine_field(full):
                 "--served-model-name": "llama-70b", "--dtype": "bfloat16", "--max-model-len": "8192",
                 "--block-size": "32", "--max-num-batched-tokens": "4096", "--max-num-seqs": "64",
                 "--gpu-memory-utilization": "0.85", "--scheduling-policy": "fcfs", "--tensor-parallel-size": "4",
-                "--drain-timeout": "45", "--kv-host-bytes": str(2 * 1024**3),
+                "--drain-timeout": "45", "--attention-backend": "triton", "--kv-host-bytes": str(2 * 1024**3),
                 "--kv-redis-url": "$(TESSERA_KV_REDIS_URL)"}
     for flag, value in expected.items():
         assert arg_value(args, flag) == value, flag
@@ -94,8 +95,10 @@ def test_engine_args_carry_every_engine_field(full):
 
 def test_engine_args_omit_unset_options(isvc):
     args = container(desired_objects(isvc), "llama-engine")["args"]
-    for flag in ("--max-model-len", "--kv-host-bytes", "--kv-redis-url", "--no-prefix-caching"):
+    for flag in ("--max-model-len", "--kv-host-bytes", "--kv-redis-url", "--no-prefix-caching",
+                 "--speculative-config"):
         assert flag not in args
+    assert arg_value(args, "--attention-backend") == "auto"
     assert "env" not in container(desired_objects(isvc), "llama-engine")
 
 
@@ -110,6 +113,25 @@ def test_engine_args_parse_with_the_engine_cli(full):
     args = parser.parse_args(container(full, "llama-decode")["args"])
     assert (args.role, args.block_size, args.max_num_seqs, args.tensor_parallel_size) == ("decode", 32, 64, 4)
     assert args.no_prefix_caching and args.kv_host_bytes == 2 * 1024**3
+    assert args.attention_backend == "triton"
+    # The engine's own parser of the flag takes it, with the schema's defaults filled in.
+    from engine_pod.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (
+        "ngram", 3, 2, 5)
+
+
+def test_engine_choices_in_the_schema_are_the_engines():
+    """The CRD spells the engine's choices out (the operator does not import
+    the engine); they must not drift apart."""
+    from engine_pod.attention.backend import ATTENTION_BACKENDS
+    from engine_pod.spec_decode import config as spec_config
+    from tessera_operator import crd
+
+    assert crd.ATTENTION_BACKENDS == ATTENTION_BACKENDS
+    assert crd.SPEC_METHODS == spec_config.METHODS
+    assert crd.MAX_SPECULATIVE_TOKENS == spec_config.MAX_SPECULATIVE_TOKENS
 
 
 def test_gpus_equal_tensor_parallel_size_unless_set(full):
