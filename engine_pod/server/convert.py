@@ -63,8 +63,11 @@ def request_from_proto(
     params = processor.process_params(sampling_params_from_proto(msg.sampling_params))
     produce = mode == pb.KVTransferParams.MODE_PRODUCE
     if produce:
-        # A prefill pod computes the prompt and reports its first token only.
+        # A prefill pod computes the prompt and reports its first token only;
+        # the decode pod samples every output token (the first included), so
+        # a grammar here would only cost a compile.
         params.max_tokens, params.min_tokens = 1, 0
+        params.structured_outputs = None
     return Request(
         request_id, prompt.prompt_token_ids, params, priority=msg.priority, cache_salt=msg.cache_salt or None,
         kv_transfer_mode="produce" if produce else None,

@@ -4,6 +4,7 @@ on the decode pod, which loads the prompt's KV from the store."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -89,6 +90,24 @@ def test_long_prompts_are_disaggregated_and_match_the_offline_engine(pd_platform
     prompt_tokens = long_out["usage"]["prompt_tokens"]
     assert prompt_tokens >= THRESHOLD
     assert long_out["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt_tokens - 1) // BLOCK * BLOCK
+
+
+def test_a_guided_request_is_disaggregated_and_follows_its_grammar(pd_platform, offline_llm):
+    """The decode pod samples every output token under the grammar (the
+    prefill pod's token is discarded): the text equals the offline engine's
+    guided output."""
+    from engine_pod.structured_output import StructuredOutputsParams
+
+    gw, _, _ = pd_platform
+    prompt = " ".join(f"clause{i} of the guided document" for i in range(20))
+    pattern = r"(red|green|blue)-[0-9]{2}"
+    before = _routing(gw)
+    out = _complete(gw, prompt, max_tokens=16, ignore_eos=False, structured_outputs={"regex": pattern})
+    assert _routing(gw).get(("prefill", "prefill"), 0) - before.get(("prefill", "prefill"), 0) == 1
+    params = SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex=pattern))
+    assert out["choices"][0]["text"] == offline_llm.generate(prompt, params)[0].outputs[0].text
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert re.fullmatch(pattern, out["choices"][0]["text"])
 
 
 def test_a_cancelled_stream_is_aborted_on_every_pod(pd_platform):
