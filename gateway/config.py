@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 
-ROLES = ("mixed", "prefill", "decode")
+from tessera.roles import POD_ROLES
+
 # "score": KV-aware scoring (gateway/router.py); "round_robin": a baseline
 # that ignores prefixes and load, for benchmarks and A/B comparisons.
 ROUTER_POLICIES = ("score", "round_robin")
@@ -127,11 +128,11 @@ class GatewayConfig:
         _check(bool(self.pods.static) or self.pods.kubernetes is not None,
                "pods: give a static list or kubernetes discovery")
         for pod in self.pods.static:
-            _check(pod.role in ROLES, f"pods.static: role {pod.role!r} is not one of {ROLES}")
+            _check(pod.role in POD_ROLES, f"pods.static: role {pod.role!r} is not one of {POD_ROLES}")
             _check(":" in pod.address, f"pods.static: address {pod.address!r} is not host:port")
         if self.pods.kubernetes is not None:
             for role in self.pods.kubernetes.services:
-                _check(role in ROLES, f"pods.kubernetes.services: role {role!r} is not one of {ROLES}")
+                _check(role in POD_ROLES, f"pods.kubernetes.services: role {role!r} is not one of {POD_ROLES}")
         a = self.admission
         _check(a.max_waiting_per_pod >= 1, "admission.max_waiting_per_pod must be >= 1")
         _check(0 < a.max_kv_usage <= 1, "admission.max_kv_usage must be in (0, 1]")

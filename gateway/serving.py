@@ -37,6 +37,7 @@ from gateway.request import ChoiceUpdate, GenerationRequest, Usage
 from gateway.router import Router, ScoredPod
 from gateway.tenants import AuthError, Tenant, TenantRegistry
 from kv_store.block_hash import hash_request_tokens
+from tessera.roles import POD_ROLES
 from tessera.tracing import tracer
 from tessera.v1 import engine_pb2 as epb
 
@@ -72,7 +73,7 @@ class Gateway:
         # Until a pod has reported, capacity is unknown: do not hold requests back.
         if any(p.load is not None for p in self.pool.pods.values()):
             self.admission.set_capacity(self.pool.free_slots())
-        for role in ("mixed", "prefill", "decode"):
+        for role in POD_ROLES:
             self.metrics.pods_routable.labels(role).set(len(self.pool.routable(role)))
 
     async def close(self) -> None:

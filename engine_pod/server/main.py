@@ -36,13 +36,13 @@ from engine_pod.server.async_engine import AsyncEngine, StreamEnd
 from engine_pod.server.grpc_service import EngineService
 from engine_pod.server.cpu_share import cpu_share
 from engine_pod.server.metrics import EngineMetrics, KVStoreCollector, StructuredOutputCollector
+from tessera.roles import POD_ROLES
 from tessera.tracing import configure_tracing
 from tessera.text import load_eos_token_ids
 from tessera.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("mixed", "prefill", "decode")
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 
 
@@ -63,8 +63,8 @@ def add_parser(sub) -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    if args.role not in ROLES:
-        raise ValueError(f"role: {args.role!r} is not one of {ROLES}")
+    if args.role not in POD_ROLES:
+        raise ValueError(f"role: {args.role!r} is not one of {POD_ROLES}")
     if args.max_waiting_requests < 1:
         raise ValueError("max_waiting_requests must be >= 1")
     if args.drain_timeout < 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import yaml
 
+from tessera.roles import POD_ROLES
 from tessera_operator.schema_dsl import (
     Schema,
     array,
@@ -33,7 +34,7 @@ SHORT_NAMES = ["tisvc"]
 DEFAULT_IMAGE = "ghcr.io/tessera-ai/tessera:0.1.0"
 # Longest object suffix is "-gateway" (8); Service names stop at 63 characters.
 MAX_NAME_LENGTH = 50
-POOL_NAMES = ("mixed", "prefill", "decode")
+POOL_NAMES = POD_ROLES  # one pool per engine pod role
 # The engine's own choices (the operator does not import the engine, which
 # pulls in torch); tests/operator/test_reconcile.py checks they agree.
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
