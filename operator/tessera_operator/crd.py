@@ -43,6 +43,8 @@ MAX_SPECULATIVE_TOKENS = 32
 MIN_LE_MAX_RULE = "self.minReplicas <= self.maxReplicas"
 ONE_SOURCE_RULE = "has(self.pvc) != has(self.hostPath)"
 LOOKUP_BOUNDS_RULE = "self.promptLookupMin <= self.promptLookupMax"
+# The KV store keys whole blocks, not per-rank shards: the engine refuses TP > 1 with Redis.
+TP_REDIS_RULE = "self.engine.tensorParallelSize == 1 || !has(self.kvStore.redis)"
 DEFAULT_CLASS_RULE = "self.priorityClasses.exists(c, c.name == self.defaultPriorityClass)"
 NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 NAME_RULE = f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && self.metadata.name.matches('{NAME_PATTERN}')"
@@ -243,7 +245,8 @@ def spec_schema() -> Schema:
                                          default=256, minimum=0),
         }, default={}),
         "autoscaling": _autoscaling(),
-    }, required=["model"])
+    }, required=["model"], rules=[(TP_REDIS_RULE, "kvStore.redis does not support engine.tensorParallelSize "
+                                                  "above 1 yet (KV blocks are not sharded per rank)")])
 
 
 def status_schema() -> Schema:

@@ -48,6 +48,7 @@ def _name_ok(obj: dict) -> bool:
 RULE_CHECKS: dict[str, Callable[[dict], bool]] = {
     crd.MIN_LE_MAX_RULE: lambda pool: pool["minReplicas"] <= pool["maxReplicas"],
     crd.ONE_SOURCE_RULE: lambda model: ("pvc" in model) != ("hostPath" in model),
+    crd.TP_REDIS_RULE: lambda spec: spec["engine"]["tensorParallelSize"] == 1 or "redis" not in spec["kvStore"],
     crd.LOOKUP_BOUNDS_RULE: lambda spec: spec["promptLookupMin"] <= spec["promptLookupMax"],
     crd.DEFAULT_CLASS_RULE: lambda gw: any(c["name"] == gw["defaultPriorityClass"] for c in gw["priorityClasses"]),
     crd.NAME_RULE: _name_ok,

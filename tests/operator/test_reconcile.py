@@ -31,7 +31,7 @@ FULL_SPEC = {
     "image": "registry.local/tessera:dev",
     "imagePullPolicy": "Always",
     "mode": "disaggregated",
-    "engine": {"tensorParallelSize": 4, "blockSize": 32, "maxNumBatchedTokens": 4096, "maxNumSeqs": 64,
+    "engine": {"tensorParallelSize": 1, "blockSize": 32, "maxNumBatchedTokens": 4096, "maxNumSeqs": 64,
                "prefixCaching": False, "gpuMemoryUtilization": 0.85, "schedulingPolicy": "fcfs",
                "gpuResourceName": "amd.com/gpu", "drainTimeoutSeconds": 45, "attentionBackend": "triton",
                "speculative": {"numSpeculativeTokens": 3, "promptLookupMax": 5}},
@@ -81,7 +81,7 @@ def test_engine_args_carry_every_engine_field(full):
     expected = {"--model": "/models/llama-8b", "--host": "0.0.0.0", "--grpc-port": "50061", "--metrics-port": "9090",
                 "--served-model-name": "llama-70b", "--dtype": "bfloat16", "--max-model-len": "8192",
                 "--block-size": "32", "--max-num-batched-tokens": "4096", "--max-num-seqs": "64",
-                "--gpu-memory-utilization": "0.85", "--scheduling-policy": "fcfs", "--tensor-parallel-size": "4",
+                "--gpu-memory-utilization": "0.85", "--scheduling-policy": "fcfs", "--tensor-parallel-size": "1",
                 "--drain-timeout": "45", "--attention-backend": "triton", "--kv-host-bytes": str(2 * 1024**3),
                 "--kv-redis-url": "$(TESSERA_KV_REDIS_URL)"}
     for flag, value in expected.items():
@@ -111,7 +111,7 @@ def test_engine_args_parse_with_the_engine_cli(full):
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(container(full, "llama-decode")["args"])
-    assert (args.role, args.block_size, args.max_num_seqs, args.tensor_parallel_size) == ("decode", 32, 64, 4)
+    assert (args.role, args.block_size, args.max_num_seqs, args.tensor_parallel_size) == ("decode", 32, 64, 1)
     assert args.no_prefix_caching and args.kv_host_bytes == 2 * 1024**3
     assert args.attention_backend == "triton"
     # The engine's own parser of the flag takes it, with the schema's defaults filled in.
@@ -134,11 +134,16 @@ def test_engine_choices_in_the_schema_are_the_engines():
     assert crd.MAX_SPECULATIVE_TOKENS == spec_config.MAX_SPECULATIVE_TOKENS
 
 
-def test_gpus_equal_tensor_parallel_size_unless_set(full):
-    prefill = container(full, "llama-prefill")["resources"]
+def test_gpus_equal_tensor_parallel_size_unless_set():
+    # Tensor parallelism above 1 runs without the KV store (not sharded per rank yet).
+    spec = copy.deepcopy(FULL_SPEC)
+    spec["engine"]["tensorParallelSize"] = 4
+    del spec["kvStore"]
+    objects = desired_objects(make_isvc(spec))
+    prefill = container(objects, "llama-prefill")["resources"]
     assert prefill["limits"] == {"memory": "80Gi", "amd.com/gpu": 4}
     assert prefill["requests"] == {"cpu": "8", "memory": "64Gi", "amd.com/gpu": 4}
-    assert container(full, "llama-decode")["resources"]["limits"] == {"amd.com/gpu": 2}
+    assert container(objects, "llama-decode")["resources"]["limits"] == {"amd.com/gpu": 2}
 
 
 def test_cpu_only_pool_has_no_gpu(isvc):
