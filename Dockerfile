@@ -14,6 +14,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# A C++ compiler: engine pods on CPUs build their attention kernels on first
+# start (engine_pod/attention/cpu_ops, for the node's own CPU), into a
+# directory the non-root user can write.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+ENV TORCH_EXTENSIONS_DIR=/tmp/tessera-torch-extensions
+
 # torch first and on its own layer: it is most of the image and changes least.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 

@@ -11,7 +11,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 @dataclass
@@ -61,15 +61,39 @@ class AttentionBackend(ABC):
 
 def get_attention_backend(name: str, device: torch.device, head_size: int, dtype: torch.dtype) -> AttentionBackend:
     """The backend ``name`` asks for on ``device``. auto: triton on CUDA when
-    it supports the model, else torch (with a warning on CUDA, where triton
-    was expected); torch: anywhere; triton: on CUDA, or on CPU under
-    TRITON_INTERPRET=1, else a start-up error saying why."""
+    it supports the model (else torch, with a warning), cpu on a CPU when its
+    kernels build here (else torch, with a warning); torch: anywhere; triton:
+    on CUDA, or on CPU under TRITON_INTERPRET=1; cpu: on a CPU. A backend
+    asked for by name that cannot run is a start-up error saying why."""
+    from engine_pod.attention.torch_backend import TorchAttentionBackend
+
+    check_backend_name(name)
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        return _cpu_backend(name, device)
+    return _triton_backend(name, device, head_size, dtype)
+
+
+def _cpu_backend(name: str, device: torch.device) -> AttentionBackend:
+    from engine_pod.attention.cpu_ops.build import load_cpu_ops
+    from engine_pod.attention.torch_backend import TorchAttentionBackend
+
+    reason = f"it runs on CPU engines, this one runs on {device.type}" if device.type != "cpu" else load_cpu_ops()
+    if reason is None:
+        from engine_pod.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
+    if name == "cpu":
+        raise ValueError(f"attention_backend='cpu' cannot run here: {reason}")
+    logger.warning("attention_backend=auto: the cpu backend cannot run here (%s); using torch", reason)
+    return TorchAttentionBackend()
+
+
+def _triton_backend(name: str, device: torch.device, head_size: int, dtype: torch.dtype) -> AttentionBackend:
     from engine_pod.attention.torch_backend import TorchAttentionBackend
     from engine_pod.attention.triton_ops.support import triton_unsupported_reason
 
-    check_backend_name(name)
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchAttentionBackend()
     reason = triton_unsupported_reason(device, head_size, dtype)
     if reason is None:
         from engine_pod.attention.triton_backend import TritonAttentionBackend, default_split_rule

@@ -58,15 +58,15 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.backend = backend
 
-    def forward(self, positions, hidden, kv_cache, md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions, hidden, kv_cache, md: AttentionMetadata, output_rows=None) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v.contiguous(), kv_cache, md, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = self.backend.forward(q, k, v.contiguous(), kv_cache, md, self.scale).reshape(-1, self.q_size)
+        return self.o_proj(out if output_rows is None else out[output_rows])
 
 
 class LlamaMLP(nn.Module):
@@ -92,8 +92,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, kv_cache, md) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, md)
+    def forward(self, positions, hidden, kv_cache, md, output_rows=None) -> torch.Tensor:
+        """The layer's output for ``output_rows`` (all rows when None). Every
+        row's K/V is written either way; past the attention each row is
+        computed on its own, so the other rows' o_proj and MLP are skipped."""
+        attn = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, md, output_rows)
+        hidden = (hidden if output_rows is None else hidden[output_rows]) + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -114,10 +118,14 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], md: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, kv_caches: list[torch.Tensor], md: AttentionMetadata, output_rows=None
+    ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, md)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            # Only the last layer can drop rows: earlier ones feed every row's K/V onwards.
+            hidden = layer(positions, hidden, kv_cache, md, output_rows if i == last else None)
         return hidden
 
 
@@ -135,14 +143,18 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, group)
 
-    def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
-        """Hidden states (before the final norm) of every token: [T, hidden]."""
-        return self.model(input_ids, positions, kv_caches, md)
+    def forward(self, input_ids, positions, kv_caches, md, output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states (before the final norm) of the tokens ``output_rows``
+        selects (the ones that sample; every token when None): [rows, hidden].
+        All tokens' K/V are cached either way. In a prefill step most tokens
+        sample nothing, and skipping their last-layer o_proj and MLP saves
+        about 1/num_layers of the step's GEMMs."""
+        return self.model(input_ids, positions, kv_caches, md, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits of selected hidden states, on rank 0 only (None on the
         others: they do not sample). The final norm is per-row, so applying
         it to sampled positions only is exact and cheaper."""
         hidden = self.model.norm(hidden)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.group)
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return vocab_parallel_logits(hidden, head, self.config.vocab_size, self.group)

@@ -19,6 +19,7 @@ from engine_pod.attention.backend import AttentionBackend
 from engine_pod.distributed.parallel_state import TensorParallelGroup, single_rank_group
 from engine_pod.model.hf_config import ModelArchConfig
 from engine_pod.model.llama import STACKED_PARAMS, LlamaForCausalLM
+from engine_pod.model.parallel_layers import pack_cpu_weights
 from engine_pod.model.weight_source import WeightSource
 
 # Checkpoint entries that are buffers, not weights.
@@ -114,4 +115,6 @@ def build_model(
     load_weights(model, model_path)
     model.eval()
     model.requires_grad_(False)
+    if device.type == "cpu":
+        pack_cpu_weights(model)
     return model

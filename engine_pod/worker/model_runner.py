@@ -178,8 +178,8 @@ class ModelRunner:
             return ModelRunnerOutput({})
         batch = self._prepare_inputs(so)
         start = time.perf_counter()
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
-        logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sampling_states else None
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, batch.logits_indices)
+        logits = self.model.compute_logits(hidden) if batch.sampling_states else None
         self.forward_seconds += time.perf_counter() - start
         if connector_meta:
             self.kv_connector.after_forward(connector_meta)

@@ -37,7 +37,7 @@ MAX_NAME_LENGTH = 50
 POOL_NAMES = POD_ROLES  # one pool per engine pod role
 # The engine's own choices (the operator does not import the engine, which
 # pulls in torch); tests/operator/test_reconcile.py checks they agree.
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 SPEC_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 32
 MIN_LE_MAX_RULE = "self.minReplicas <= self.maxReplicas"
@@ -157,8 +157,9 @@ def _engine() -> Schema:
         "drainTimeoutSeconds": integer("Seconds in-flight requests get to finish after SIGTERM; the pods' "
                                        "termination grace period follows from it.", default=30, minimum=0,
                                        maximum=3600),
-        "attentionBackend": string("auto: triton kernels on GPUs, torch on CPU; torch or triton to force one "
-                                   "(triton on a model it cannot run fails the pod at start-up).",
+        "attentionBackend": string("auto: triton kernels on GPUs, the C++ cpu kernels on CPUs (torch where "
+                                   "either cannot run); torch, triton or cpu to force one (one that cannot "
+                                   "run fails the pod at start-up).",
                                    enum=list(ATTENTION_BACKENDS), default="auto"),
         "speculative": _speculative(),
     }, default={})

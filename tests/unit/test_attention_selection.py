@@ -1,6 +1,6 @@
 """How the engine picks its attention backend: by device and config, with a
-clear start-up error (explicit triton) or a logged fallback (auto) when
-triton cannot run the model."""
+clear start-up error (explicit triton or cpu) or a logged fallback (auto)
+when the backend cannot run the model here."""
 
 from __future__ import annotations
 
@@ -21,10 +21,28 @@ CUDA = torch.device("cuda")
 needs_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs of triton use the interpreter")
 
 
-def test_auto_on_cpu_is_torch_even_under_the_interpreter():
+def test_auto_on_cpu_is_the_cpu_backend_even_under_the_interpreter():
     # tests/conftest.py sets TRITON_INTERPRET=1 here: auto must not pick the
-    # interpreter, which is for tests only.
-    assert get_attention_backend("auto", CPU, 64, torch.float32).name == "torch"
+    # interpreter, which is for tests only. This machine has a compiler, so
+    # the C++ kernels build.
+    assert get_attention_backend("auto", CPU, 64, torch.float32).name == "cpu"
+    assert get_attention_backend("cpu", CPU, 80, torch.float64).name == "cpu"
+
+
+def test_auto_on_cpu_falls_back_to_torch_when_the_kernels_cannot_build(caplog, monkeypatch):
+    from engine_pod.attention.cpu_ops import build
+
+    monkeypatch.setattr(build, "load_cpu_ops", lambda: "no C++ compiler (c++/g++) on PATH")
+    with caplog.at_level(logging.WARNING, logger="engine_pod.attention.backend"):
+        assert get_attention_backend("auto", CPU, 64, torch.float32).name == "torch"
+    assert "no C++ compiler" in caplog.text and "using torch" in caplog.text
+    with pytest.raises(ValueError, match="attention_backend='cpu' cannot run here: no C\\+\\+ compiler"):
+        get_attention_backend("cpu", CPU, 64, torch.float32)
+
+
+def test_explicit_cpu_on_a_gpu_is_refused():
+    with pytest.raises(ValueError, match="attention_backend='cpu' cannot run here: it runs on CPU engines"):
+        get_attention_backend("cpu", CUDA, 128, torch.bfloat16)
 
 
 def test_torch_is_torch():

@@ -1,0 +1,1 @@
+"""C++ attention kernels for CPU engines, compiled on first use (build.py)."""

@@ -1,0 +1,161 @@
+// Decode attention read straight from the paged KV cache, for CPU engines.
+//
+// The torch backend gathers each decode group's blocks into a contiguous
+// tensor before attending: per layer the K/V bytes are read, written and read
+// again, and on a CPU decode step that traffic, not arithmetic, sets the time.
+// Here each (sequence, KV head) pair walks its block table and reads every key
+// and value once: one pass of q.k scores for all query heads of the GQA group,
+// a softmax in the accumulation type, one pass of p.v.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Blocks sit anywhere in the pool, so the hardware prefetcher loses the
+// stream at each block boundary: fetch the same row of the next block ahead.
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+template <typename scalar_t, int64_t kHeadDim>
+void paged_decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                         at::Tensor& out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
+  // A compile-time head size lets the compiler unroll the D loops; 0 is the generic build.
+  const int64_t head_dim = kHeadDim ? kHeadDim : query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t q_seq_stride = query.stride(0), q_head_stride = query.stride(1);
+  const int64_t k_block_stride = key_cache.stride(0), k_tok_stride = key_cache.stride(1),
+                k_head_stride = key_cache.stride(2);
+  const int64_t v_block_stride = value_cache.stride(0), v_tok_stride = value_cache.stride(1),
+                v_head_stride = value_cache.stride(2);
+  const int64_t table_stride = block_table.stride(0);
+  const int64_t row_bytes = num_kv_heads * head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t max_len = num_seqs ? *std::max_element(lens, lens + num_seqs) : 0;
+
+  // One sequence per work item, all its KV heads together: a block's rows
+  // (block_size x Hkv x D) are then read front to back as one run.
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> q(num_heads * head_dim), acc(num_heads * head_dim), scores(num_heads * max_len),
+        inv_sum(num_heads);
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t len = lens[seq];
+      const int64_t* blocks = table + seq * table_stride;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const scalar_t* src = q_ptr + seq * q_seq_stride + h * q_head_stride;
+        for (int64_t d = 0; d < head_dim; ++d) q[h * head_dim + d] = static_cast<acc_t>(src[d]) * scale;
+      }
+      // Scores: each key row is loaded once for its query-head group.
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const scalar_t* k_row = k_ptr + blocks[pos / block_size] * k_block_stride + (pos % block_size) * k_tok_stride;
+        if (pos + block_size < len) prefetch_row(k_ptr + blocks[pos / block_size + 1] * k_block_stride +
+                                                 (pos % block_size) * k_tok_stride, row_bytes);
+        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+          const scalar_t* k = k_row + kv_head * k_head_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kv_head * group + g;
+            const acc_t* qh = q.data() + h * head_dim;
+            acc_t s = 0;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * static_cast<acc_t>(k[d]);
+            scores[h * len + pos] = s;
+          }
+        }
+      }
+      // Softmax per query head, in the accumulation type.
+      for (int64_t h = 0; h < num_heads; ++h) {
+        acc_t* sh = scores.data() + h * len;
+        acc_t m = sh[0];  // scores are finite: no -inf start (built with -ffast-math)
+        for (int64_t pos = 1; pos < len; ++pos) m = std::max(m, sh[pos]);
+        acc_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t pos = 0; pos < len; ++pos) {
+          sh[pos] = std::exp(sh[pos] - m);
+          sum += sh[pos];
+        }
+        inv_sum[h] = acc_t(1) / sum;
+      }
+      // Weighted values: each value row is loaded once for its group.
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const scalar_t* v_row = v_ptr + blocks[pos / block_size] * v_block_stride + (pos % block_size) * v_tok_stride;
+        if (pos + block_size < len) prefetch_row(v_ptr + blocks[pos / block_size + 1] * v_block_stride +
+                                                 (pos % block_size) * v_tok_stride, row_bytes);
+        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+          const scalar_t* v = v_row + kv_head * v_head_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kv_head * group + g;
+            const acc_t p = scores[h * len + pos];
+            acc_t* ah = acc.data() + h * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * static_cast<acc_t>(v[d]);
+          }
+        }
+      }
+      scalar_t* dst = out_ptr + seq * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) dst[i] = static_cast<scalar_t>(acc[i] * inv_sum[i / head_dim]);
+    }
+  });
+}
+
+void check_inputs(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                  const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& out) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
+              "paged_decode: query [B, Hq, D] and caches [blocks, block_size, Hkv, D] expected");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "paged_decode: key and value caches differ in shape");
+  TORCH_CHECK(query.size(2) == key_cache.size(3), "paged_decode: query and cache head sizes differ");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "paged_decode: query heads not a multiple of KV heads");
+  TORCH_CHECK(query.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              "paged_decode: the head dimension must be contiguous");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "paged_decode: query and caches must share a dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "paged_decode: block_table and seq_lens must be int64");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.stride(1) == 1 && seq_lens.is_contiguous(),
+              "paged_decode: block_table rows and seq_lens must be contiguous");
+  TORCH_CHECK(block_table.size(0) >= query.size(0) && seq_lens.size(0) >= query.size(0),
+              "paged_decode: one block-table row and one length per query needed");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+              "paged_decode: out must be a contiguous tensor shaped like query");
+  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "paged_decode: CPU tensors expected");
+}
+
+// out[b] = softmax(scale * q[b] . K[b]^T) V[b] over the seq_lens[b] cached
+// positions of sequence b, its keys found through block_table[b].
+void paged_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor out) {
+  check_inputs(query, key_cache, value_cache, block_table, seq_lens, out);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
+    switch (query.size(2)) {
+      case 64: return paged_decode_kernel<scalar_t, 64>(query, key_cache, value_cache, block_table, seq_lens, scale, out);
+      case 128: return paged_decode_kernel<scalar_t, 128>(query, key_cache, value_cache, block_table, seq_lens, scale, out);
+      default: return paged_decode_kernel<scalar_t, 0>(query, key_cache, value_cache, block_table, seq_lens, scale, out);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tessera_cpu, m) {
+  m.def("paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+        "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
