@@ -97,3 +97,14 @@ def test_the_build_is_named_after_the_cpu_it_was_compiled_for(monkeypatch):
     monkeypatch.setattr(build, "_cpu_flags", lambda: "fpu sse2 avx512f")
     # -march=native code must never be loaded on another kind of CPU.
     assert extension_name() != here and extension_name().startswith("tessera_cpu_ops_")
+
+
+def test_without_a_compiler_the_reason_says_so(monkeypatch, tmp_path):
+    from engine_pod.attention.cpu_ops import build
+
+    # No build under this directory, and no compiler to make one.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    reason = build.load_cpu_ops.__wrapped__()
+    assert reason == "building the CPU attention kernels failed: no C++ compiler (c++/g++) on PATH"
+    assert not any(tmp_path.iterdir())

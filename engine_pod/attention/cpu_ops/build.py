@@ -61,8 +61,13 @@ def load_cpu_ops() -> str | None:
     directory = build_directory(name)
     library = directory / f"{name}.so"
     try:
-        if not library.is_file():
-            _build(name, directory)
+        if library.is_file():
+            try:
+                torch.ops.load_library(str(library))
+                return None
+            except OSError:
+                pass  # another engine may be linking it right now: the build below waits on its lock
+        _build(name, directory)
         torch.ops.load_library(str(library))
     except Exception as exc:  # a failed build is a reason to fall back, not a crash
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
@@ -73,6 +78,7 @@ def load_cpu_ops() -> str | None:
 def _build(name: str, directory: Path) -> None:
     if shutil.which("c++") is None and shutil.which("g++") is None:
         raise RuntimeError("no C++ compiler (c++/g++) on PATH")
+    _put_ninja_on_path()
     from torch.utils.cpp_extension import load
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -82,3 +88,16 @@ def _build(name: str, directory: Path) -> None:
         name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS), build_directory=str(directory),
         is_python_module=False, verbose=False,
     )
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the ninja wheel (a dependency)
+    installs it next to the interpreter, which is not on PATH when the venv
+    is not activated."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")

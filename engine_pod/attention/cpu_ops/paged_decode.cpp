@@ -3,9 +3,9 @@
 // The torch backend gathers each decode group's blocks into a contiguous
 // tensor before attending: per layer the K/V bytes are read, written and read
 // again, and on a CPU decode step that traffic, not arithmetic, sets the time.
-// Here each (sequence, KV head) pair walks its block table and reads every key
-// and value once: one pass of q.k scores for all query heads of the GQA group,
-// a softmax in the accumulation type, one pass of p.v.
+// Here each sequence walks its block table and reads every key and value row
+// once: one pass of q.k scores (each KV head's row serving all query heads of
+// its GQA group), a softmax in the accumulation type, one pass of p.v.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -18,12 +18,27 @@
 
 namespace {
 
-// Blocks sit anywhere in the pool, so the hardware prefetcher loses the
-// stream at each block boundary: fetch the same row of the next block ahead.
 inline void prefetch_row(const void* row, int64_t bytes) {
   const char* p = static_cast<const char*>(row);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
+
+// One sequence's rows (a position's K or V for all KV heads) in one cache.
+template <typename scalar_t>
+struct SequenceRows {
+  const scalar_t* cache;
+  const int64_t* blocks;
+  int64_t block_size, block_stride, token_stride, row_bytes, len;
+
+  const scalar_t* at(int64_t pos) const {
+    const int64_t offset = (pos % block_size) * token_stride;
+    // Blocks sit anywhere in the pool, so the hardware prefetcher loses the
+    // stream at each block boundary: fetch the same row of the next block
+    // ahead. (A hint only: with a non-contiguous row it fetches too little.)
+    if (pos + block_size < len) prefetch_row(cache + blocks[pos / block_size + 1] * block_stride + offset, row_bytes);
+    return cache + blocks[pos / block_size] * block_stride + offset;
+  }
+};
 
 template <typename scalar_t, int64_t kHeadDim>
 void paged_decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -42,10 +57,7 @@ void paged_decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, c
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t q_seq_stride = query.stride(0), q_head_stride = query.stride(1);
-  const int64_t k_block_stride = key_cache.stride(0), k_tok_stride = key_cache.stride(1),
-                k_head_stride = key_cache.stride(2);
-  const int64_t v_block_stride = value_cache.stride(0), v_tok_stride = value_cache.stride(1),
-                v_head_stride = value_cache.stride(2);
+  const int64_t k_head_stride = key_cache.stride(2), v_head_stride = value_cache.stride(2);
   const int64_t table_stride = block_table.stride(0);
   const int64_t row_bytes = num_kv_heads * head_dim * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t max_len = num_seqs ? *std::max_element(lens, lens + num_seqs) : 0;
@@ -58,15 +70,17 @@ void paged_decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, c
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t len = lens[seq];
       const int64_t* blocks = table + seq * table_stride;
+      const SequenceRows<scalar_t> keys{k_ptr, blocks, block_size, key_cache.stride(0), key_cache.stride(1),
+                                        row_bytes, len};
+      const SequenceRows<scalar_t> values{v_ptr, blocks, block_size, value_cache.stride(0), value_cache.stride(1),
+                                          row_bytes, len};
       for (int64_t h = 0; h < num_heads; ++h) {
         const scalar_t* src = q_ptr + seq * q_seq_stride + h * q_head_stride;
         for (int64_t d = 0; d < head_dim; ++d) q[h * head_dim + d] = static_cast<acc_t>(src[d]) * scale;
       }
       // Scores: each key row is loaded once for its query-head group.
       for (int64_t pos = 0; pos < len; ++pos) {
-        const scalar_t* k_row = k_ptr + blocks[pos / block_size] * k_block_stride + (pos % block_size) * k_tok_stride;
-        if (pos + block_size < len) prefetch_row(k_ptr + blocks[pos / block_size + 1] * k_block_stride +
-                                                 (pos % block_size) * k_tok_stride, row_bytes);
+        const scalar_t* k_row = keys.at(pos);
         for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
           const scalar_t* k = k_row + kv_head * k_head_stride;
           for (int64_t g = 0; g < group; ++g) {
@@ -95,9 +109,7 @@ void paged_decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, c
       // Weighted values: each value row is loaded once for its group.
       std::fill(acc.begin(), acc.end(), acc_t(0));
       for (int64_t pos = 0; pos < len; ++pos) {
-        const scalar_t* v_row = v_ptr + blocks[pos / block_size] * v_block_stride + (pos % block_size) * v_tok_stride;
-        if (pos + block_size < len) prefetch_row(v_ptr + blocks[pos / block_size + 1] * v_block_stride +
-                                                 (pos % block_size) * v_tok_stride, row_bytes);
+        const scalar_t* v_row = values.at(pos);
         for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
           const scalar_t* v = v_row + kv_head * v_head_stride;
           for (int64_t g = 0; g < group; ++g) {
