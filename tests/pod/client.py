@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from tessera.v1 import engine_pb2 as pb
 from tessera.v1 import engine_pb2_grpc as pb_grpc
@@ -35,3 +37,14 @@ async def generate_all(address: str, requests: list[pb.GenerateRequest]) -> list
 def load(address: str, block_hashes: list[bytes] = ()) -> pb.LoadReport:
     with grpc.insecure_channel(address) as channel:
         return pb_grpc.EngineStub(channel).GetLoad(pb.LoadRequest(block_hashes=list(block_hashes)), timeout=5)
+
+
+def scrape_metrics(pod) -> dict[tuple[str, tuple], float]:
+    """The pod's Prometheus samples: (name, sorted labels but model_name) -> value."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{pod.metrics_port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            samples[(s.name, labels)] = s.value
+    return samples

@@ -3,34 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine_pod.server.process import EnginePodProcess
 from tests.otlp import otlp_collector, otlp_env  # noqa: F401 (fixture)
-from tests.pod.client import generate_all, greedy
+from tests.pod.client import generate_all, greedy, scrape_metrics
 from tests.pod.conftest import POD_ARGS
 
 
-def _scrape(pod) -> dict[tuple[str, tuple], float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{pod.metrics_port}/metrics", timeout=5).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
-            samples[(s.name, labels)] = s.value
-    return samples
-
-
 def test_metrics_move_as_expected(pod):
-    before = _scrape(pod)
+    before = scrape_metrics(pod)
     prompts = [[5] * 10, [6] * 20, [7] * 30]
     max_tokens = [4, 8, 12]
     asyncio.run(generate_all(pod.address, [greedy(p, n, ignore_eos=True) for p, n in zip(prompts, max_tokens)]))
-    after = _scrape(pod)
+    after = scrape_metrics(pod)
 
     def delta(name, labels=()):
         return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)

@@ -9,9 +9,8 @@ import json
 from engine_pod import LLM, SamplingParams
 from engine_pod.server.process import EnginePodProcess
 from tests.engine.test_spec_decode import SPEC, copy_prompts
-from tests.pod.client import generate_all, greedy
+from tests.pod.client import generate_all, greedy, scrape_metrics
 from tests.pod.conftest import POD_ARGS
-from tests.pod.test_observability import _scrape
 
 
 def test_pod_speculates_and_counts_drafts(tiny_llama, tmp_path):
@@ -22,10 +21,10 @@ def test_pod_speculates_and_counts_drafts(tiny_llama, tmp_path):
     args = [*POD_ARGS, "--cpu-threads", "1", "--speculative-config", json.dumps(SPEC)]
     with EnginePodProcess(tiny_llama, args, log_path=tmp_path / "pod.log") as pod:
         pod.wait_serving()
-        before = _scrape(pod)
+        before = scrape_metrics(pod)
         requests = [greedy(p, n, ignore_eos=True) for p, n in zip(prompts, max_tokens)]
         results = asyncio.run(generate_all(pod.address, requests))
-        after = _scrape(pod)
+        after = scrape_metrics(pod)
     assert [tokens for tokens, _ in results] == want
 
     def delta(name):
