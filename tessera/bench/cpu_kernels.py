@@ -10,6 +10,8 @@ on the model's own shapes, side by side in one run.
   packed for oneDNN. Each layer has its own weights, so like the engine the
   GEMMs stream weights from memory instead of finding them in cache.
 
+Each pair is first checked to compute the same result (the command fails
+otherwise).
 Times are the best of ``--repeats`` rounds of one full pass over the layers.
 """
 
@@ -68,12 +70,20 @@ def bench_attention(arch, dtype, batches, context, block_size, repeats, gen) -> 
     for batch in batches:
         md, caches, q, kv = _decode_step(arch, batch, context, block_size, dtype, gen)
         row = {"batch": batch, "mean_context": float(md.seq_lens_cpu.mean())}
+        outputs = []
         for backend in (TorchAttentionBackend(), CpuAttentionBackend()):
+            md.backend_cache.clear()
+            outputs.append(backend.forward(q, kv, kv, caches[0], md, arch.head_dim**-0.5))
             def step(backend=backend):
                 md.backend_cache.clear()  # planned once per step, as in the engine
                 for cache in caches:
                     backend.forward(q, kv, kv, cache, md, arch.head_dim**-0.5)
             row[f"{backend.name}_ms"] = _best_of(step, repeats) * 1e3
+        # Timing means nothing if the two disagree.
+        row["max_abs_diff"] = float((outputs[0].double() - outputs[1].double()).abs().max())
+        if not torch.allclose(outputs[0].double(), outputs[1].double(), rtol=1e-3, atol=1e-3):
+            raise RuntimeError(f"batch {batch}: the cpu kernel and the torch backend disagree "
+                               f"(max |diff| {row['max_abs_diff']:.3g})")
         kv_bytes = 2 * float(md.seq_lens_cpu.sum()) * arch.num_key_value_heads * arch.head_dim * q.element_size()
         row["kv_gb_per_s_cpu"] = kv_bytes * arch.num_hidden_layers / (row["cpu_ms"] / 1e3) / 1e9
         row["speedup"] = row["torch_ms"] / row["cpu_ms"]
@@ -116,6 +126,11 @@ def bench_linear(arch, dtype, token_counts, repeats, gen) -> list[dict]:
                     torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], w, None, "none", [None], "")
 
         with torch.inference_mode():
+            x = inputs[dense[0][0].shape[1]]
+            diff = (torch.nn.functional.linear(x, dense[0][0]) -
+                    torch.ops.mkldnn._linear_pointwise(x, packed[0][0], None, "none", [None], "")).abs().max()
+            if diff > 1e-3 * max(1.0, float(x.abs().max())):
+                raise RuntimeError(f"{tokens} tokens: packed and dense products disagree (max |diff| {diff:.3g})")
             dense_s, packed_s = _best_of(run_dense, repeats), _best_of(run_packed, repeats)
         row = {"tokens": tokens, "dense_ms": dense_s * 1e3, "packed_ms": packed_s * 1e3,
                "dense_gflops": flops_per_token * tokens / dense_s / 1e9,
