@@ -178,7 +178,9 @@ class ModelRunner:
             return ModelRunnerOutput({})
         batch = self._prepare_inputs(so)
         start = time.perf_counter()
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, batch.logits_indices)
+        # Every row samples in a decode-only step: no rows to drop, so no copy.
+        rows = None if len(batch.logits_indices) == batch.metadata.num_actual_tokens else batch.logits_indices
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, rows)
         logits = self.model.compute_logits(hidden) if batch.sampling_states else None
         self.forward_seconds += time.perf_counter() - start
         if connector_meta:

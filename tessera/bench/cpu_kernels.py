@@ -18,7 +18,6 @@ Times are the best of ``--repeats`` rounds of one full pass over the layers.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
@@ -26,7 +25,7 @@ import torch
 
 from engine_pod.attention.backend import AttentionMetadata
 from engine_pod.model.hf_config import load_arch_config, parse_dtype
-from tessera.bench.common import add_common_args
+from tessera.bench.common import add_common_args, write_report
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -161,8 +160,7 @@ def main(args: argparse.Namespace) -> int:
         "linear": bench_linear(arch, dtype, args.tokens, args.repeats, gen),
     }
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
+        write_report(report, args.output)
     return 0
 
 

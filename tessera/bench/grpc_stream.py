@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import resource
 import statistics
@@ -22,7 +21,7 @@ import grpc
 
 from engine_pod import LLM
 from engine_pod.server.process import EnginePodProcess
-from tessera.bench.common import add_common_args
+from tessera.bench.common import add_common_args, write_report
 from tessera.bench.throughput import run_engine
 from tessera.bench.workload import BenchRequest, sharegpt_like
 from tessera.v1 import engine_pb2 as pb
@@ -103,8 +102,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"CPU seconds: offline engine {offline_cpu:.1f}; pod {pod_cpu:.1f}, client {client_cpu:.1f} "
           f"(the client shares this machine's cores with the pod)")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
+        write_report(report, args.output)
     return 0
 
 

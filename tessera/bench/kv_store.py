@@ -6,7 +6,6 @@ keys, the measurement behind the one-block-per-key choice)."""
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shutil
 import statistics
@@ -18,7 +17,7 @@ from pathlib import Path
 from engine_pod import LLM, SamplingParams
 from kv_store.local_redis import RedisServer
 from kv_store.redis_tier import RedisTier, RedisTierConfig
-from tessera.bench.common import add_common_args
+from tessera.bench.common import add_common_args, write_report
 
 
 def _ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
@@ -144,8 +143,7 @@ def main(args: argparse.Namespace) -> int:
         finally:
             server.stop()
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
+        write_report(report, args.output)
     return 0
 
 

@@ -8,13 +8,12 @@ cannot help), each run alternately on and off to spread the machine's noise.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 from engine_pod import LLM, SamplingParams
 from kv_store.block_hash import hash_request_tokens
-from tessera.bench.common import add_common_args
+from tessera.bench.common import add_common_args, write_report
 from tessera.bench.workload import BenchRequest, shared_prefix, sharegpt_like
 
 
@@ -87,8 +86,7 @@ def main(args: argparse.Namespace) -> int:
           f"{', '.join(f'{x:.3f}' for x in ratios)}; median overhead {1.0 - median:.1%}; "
           f"hashing + lookups replayed: {statistics.median(direct):.3%} of a run's wall time")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
+        write_report(report, args.output)
     return 0
 
 

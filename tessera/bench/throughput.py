@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict, dataclass
 
 from engine_pod import LLM, SamplingParams
-from tessera.bench.common import add_common_args
+from tessera.bench.common import add_common_args, write_report
 from tessera.bench.workload import BenchRequest, sharegpt_like
 
 
@@ -95,8 +94,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"hf static batches of {args.hf_batch_size}: {hf.useful_tokens} useful tokens in {hf.seconds:.1f}s "
               f"= {hf_tps:.1f} tok/s; Tessera / HF = {report['speedup']:.1f}x")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
+        write_report(report, args.output)
     return 0
 
 

@@ -10,10 +10,10 @@ small fixed KV cache. The parameter ratio is the acceptance figure (at most
 from __future__ import annotations
 
 import argparse
-import json
 
 from engine_pod.config import create_engine_config
 from engine_pod.executor.multiproc import MultiProcExecutor
+from tessera.bench.common import write_report
 
 
 def _per_rank(args: argparse.Namespace, tp: int) -> list[dict]:
@@ -41,8 +41,7 @@ def main(args: argparse.Namespace) -> int:
           f"({ratio:.1%} of TP=1); peak RSS per rank: TP=1 {base.get('peak_rss_bytes', 0) / mib:.0f} MiB, "
           f"TP={args.tp} {peaks} MiB")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
+        write_report(report, args.output)
     return 0
 
 

@@ -14,7 +14,6 @@ Rounds alternate between the engines so machine load drifts evenly.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -25,7 +24,7 @@ from engine_pod.core.engine_core import EngineCore
 from engine_pod.executor.multiproc import MultiProcExecutor
 from engine_pod.request import Request
 from engine_pod.sampling_params import SamplingParams
-from tessera.bench.common import add_common_args
+from tessera.bench.common import add_common_args, write_report
 
 
 def _decode_step_seconds(
@@ -99,8 +98,7 @@ def main(args: argparse.Namespace) -> int:
           f"{mp_ms:.2f} ms (difference {mp_ms - in_ms:+.2f} ms); channel time attributed per step "
           f"{channel_ms:.3f} ms (scheduler output {executor.last_broadcast_bytes} bytes pickled)")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
+        write_report(report, args.output)
     return 0
 
 

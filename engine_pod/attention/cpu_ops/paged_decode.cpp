@@ -57,7 +57,10 @@ void paged_decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, c
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t q_seq_stride = query.stride(0), q_head_stride = query.stride(1);
-  const int64_t k_head_stride = key_cache.stride(2), v_head_stride = value_cache.stride(2);
+  const int64_t k_block_stride = key_cache.stride(0), k_token_stride = key_cache.stride(1),
+                k_head_stride = key_cache.stride(2);
+  const int64_t v_block_stride = value_cache.stride(0), v_token_stride = value_cache.stride(1),
+                v_head_stride = value_cache.stride(2);
   const int64_t table_stride = block_table.stride(0);
   const int64_t row_bytes = num_kv_heads * head_dim * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t max_len = num_seqs ? *std::max_element(lens, lens + num_seqs) : 0;
@@ -70,10 +73,8 @@ void paged_decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, c
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t len = lens[seq];
       const int64_t* blocks = table + seq * table_stride;
-      const SequenceRows<scalar_t> keys{k_ptr, blocks, block_size, key_cache.stride(0), key_cache.stride(1),
-                                        row_bytes, len};
-      const SequenceRows<scalar_t> values{v_ptr, blocks, block_size, value_cache.stride(0), value_cache.stride(1),
-                                          row_bytes, len};
+      const SequenceRows<scalar_t> keys{k_ptr, blocks, block_size, k_block_stride, k_token_stride, row_bytes, len};
+      const SequenceRows<scalar_t> values{v_ptr, blocks, block_size, v_block_stride, v_token_stride, row_bytes, len};
       for (int64_t h = 0; h < num_heads; ++h) {
         const scalar_t* src = q_ptr + seq * q_seq_stride + h * q_head_stride;
         for (int64_t d = 0; d < head_dim; ++d) q[h * head_dim + d] = static_cast<acc_t>(src[d]) * scale;
