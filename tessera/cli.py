@@ -57,6 +57,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_internal_secret(args: argparse.Namespace) -> int:
+    from tessera.internal_secret import InternalSecret
+
+    print(InternalSecret.generate().value.decode())
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from tessera.bench import run_bench
 
@@ -87,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--n", type=int, default=1)
     gen.add_argument("--json", action="store_true", help="one JSON object per output")
     gen.set_defaults(func=_cmd_generate)
+
+    secret = sub.add_parser("internal-secret", help="print a new random internal secret (for TESSERA_INTERNAL_SECRET)")
+    secret.set_defaults(func=_cmd_internal_secret)
 
     from engine_pod.server.main import add_parser as add_engine_parser
     from gateway.main import add_api_key_parser

@@ -17,6 +17,13 @@ from tessera.fixtures import make_model
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The deployment's internal secret (tessera/internal_secret.py) for every
+# process a test starts: engine pods demand its token, the gateway sends it,
+# the KV store authenticates shared values with it. Tests of a missing or
+# wrong secret override it per process.
+TEST_INTERNAL_SECRET = "tessera-test-internal-secret-0123456789abcdef"
+os.environ.setdefault("TESSERA_INTERNAL_SECRET", TEST_INTERNAL_SECRET)
+
 _CACHE = Path(os.environ.get("TESSERA_TEST_MODELS", Path(__file__).resolve().parent.parent / ".cache" / "test-models"))
 
 
