@@ -13,6 +13,9 @@ from engine_pod.core.request_queue import SchedulingPolicy
 from engine_pod.core.scheduler import SchedulerConfig
 from engine_pod.model.hf_config import ModelArchConfig, load_arch_config, parse_dtype
 from engine_pod.spec_decode.config import SpeculativeConfig
+from kv_store.codec import MIN_MAC_KEY_BYTES
+from kv_store.redis_tier import DEFAULT_KEY_PREFIX, RedisTierConfig
+from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, InternalSecret
 
 logger = logging.getLogger(__name__)
 
@@ -53,21 +56,46 @@ class CacheConfig:
 class KVStoreConfig:
     """The tiered KV store this engine shares blocks through (off by default)."""
 
+    # Host-memory tier budget in bytes (0: no host tier).
     host_bytes: int = 0
-    redis_url: str | None = None
+    # The shared Redis tier (None: none); may hold a password, so never shown.
+    redis_url: str | None = field(default=None, repr=False)
+    # Seconds a block lives in Redis.
     redis_ttl_seconds: int = 3600
+    # The URL names a Redis Cluster node.
     redis_cluster: bool = False
+    # Redis write-behind queue length; beyond it writes are dropped (and counted).
     write_queue_size: int = 256
+    # Prepended to every Redis key: each InferenceService gets its own, for ACLs.
+    redis_key_prefix: str = DEFAULT_KEY_PREFIX
+    # TLS files (rediss:// only): CA bundle, client certificate and its key.
+    redis_ca_file: str | None = None
+    redis_cert_file: str | None = None
+    redis_key_file: str | None = None
+    # The key of the MAC over every value in Redis (InternalSecret.kv_mac_key);
+    # required with a Redis URL.
+    mac_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.host_bytes, int) or self.host_bytes < 0:
             raise ValueError(f"kv_host_bytes must be an integer >= 0, got {self.host_bytes!r}")
         if self.write_queue_size < 1:
             raise ValueError(f"kv_write_queue_size must be >= 1, got {self.write_queue_size}")
+        key = self.mac_key
+        if key is not None and (not isinstance(key, bytes) or len(key) < MIN_MAC_KEY_BYTES):
+            raise ValueError(f"kv_mac_key must be bytes, at least {MIN_MAC_KEY_BYTES} of them")
         if self.redis_url is not None:
-            from kv_store.redis_tier import RedisTierConfig
+            self.redis_tier_config()  # validates
+            if self.mac_key is None:
+                raise ValueError(
+                    f"kv_redis_url: the Redis tier needs the deployment's internal secret to authenticate shared KV "
+                    f"values; set {SECRET_FILE_ENV} (a file holding it) or {SECRET_ENV}, or pass kv_mac_key")
 
-            RedisTierConfig(self.redis_url, self.redis_ttl_seconds, self.redis_cluster)  # validates
+    def redis_tier_config(self) -> RedisTierConfig:
+        """The Redis tier's settings."""
+        return RedisTierConfig(self.redis_url, self.redis_ttl_seconds, self.redis_cluster,
+                               key_prefix=self.redis_key_prefix, ca_file=self.redis_ca_file,
+                               cert_file=self.redis_cert_file, key_file=self.redis_key_file)
 
     @property
     def enabled(self) -> bool:
@@ -179,6 +207,12 @@ def _resolve_max_model_len(max_model_len: int | None, arch: ModelArchConfig) -> 
     return max_model_len
 
 
+def _kv_mac_key_from_env() -> bytes | None:
+    """The KV MAC key of the deployment's internal secret (env or file), if set."""
+    secret = InternalSecret.load()
+    return secret.kv_mac_key if secret is not None else None
+
+
 def create_engine_config(
     model: str | Path,
     *,
@@ -201,6 +235,11 @@ def create_engine_config(
     kv_redis_ttl: int = 3600,
     kv_redis_cluster: bool = False,
     kv_write_queue_size: int = 256,
+    kv_redis_key_prefix: str = DEFAULT_KEY_PREFIX,
+    kv_redis_ca_file: str | None = None,
+    kv_redis_cert_file: str | None = None,
+    kv_redis_key_file: str | None = None,
+    kv_mac_key: bytes | None = None,
     tensor_parallel_size: int = 1,
     worker_threads: int | None = None,
     speculative_config: SpeculativeConfig | dict | str | None = None,
@@ -216,7 +255,11 @@ def create_engine_config(
             f"tensor_parallel_size={tensor_parallel_size} needs as many CUDA devices; "
             f"{torch.cuda.device_count()} visible"
         )
-    kv_store = KVStoreConfig(kv_host_bytes, kv_redis_url, kv_redis_ttl, kv_redis_cluster, kv_write_queue_size)
+    if kv_redis_url is not None and kv_mac_key is None:
+        kv_mac_key = _kv_mac_key_from_env()
+    kv_store = KVStoreConfig(kv_host_bytes, kv_redis_url, kv_redis_ttl, kv_redis_cluster, kv_write_queue_size,
+                             kv_redis_key_prefix, kv_redis_ca_file, kv_redis_cert_file, kv_redis_key_file,
+                             kv_mac_key)
     if kv_store.enabled and tensor_parallel_size > 1:
         # Each rank would have to load and save its own shard of every block
         # (the codec keys blocks per rank); not built yet.

@@ -4,6 +4,10 @@ API keys are never stored: the tenants file (or the Kubernetes Secret mounted
 as a directory) holds only their SHA-256 digests, and a presented key is
 hashed and looked up by digest. Unknown fields in the file are errors, so a
 typo such as `request_per_minute` can never silently disable a limit.
+
+A tenant's prefix-cache salt is a keyed hash of its identity under the
+deployment's internal secret: knowing a tenant's name does not give its salt,
+so nobody who reaches an engine pod can ask for another tenant's cached KV.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tessera.internal_secret import InternalSecret
 
 # The file the Secret (or ConfigMap) mount must contain when a directory is given.
 TENANTS_FILE_NAMES = ("tenants.yaml", "tenants.yml", "tenants.json")
@@ -68,12 +74,16 @@ class Tenant:
     allowed_priority_classes: frozenset[str] | None
     limits: RateLimits
     # Goes into the block hash's extra keys: equal salts may share prefix-cache KV.
+    # A keyed hash (the internal secret's cache_salt), never the name itself.
     cache_salt: str
 
 
-def _cache_salt(name: str, group: str | None) -> str:
+def _cache_salt(secret: InternalSecret, name: str, group: str | None) -> str:
+    if not isinstance(secret, InternalSecret):
+        raise TypeError("tenants: the cache salts need the deployment's InternalSecret, got "
+                        f"{type(secret).__name__}")
     # Distinct prefixes keep a tenant named "x" apart from a group named "x".
-    return f"group:{group}" if group is not None else f"tenant:{name}"
+    return secret.cache_salt(f"group:{group}" if group is not None else f"tenant:{name}")
 
 
 class TenantRegistry:
@@ -85,18 +95,19 @@ class TenantRegistry:
         self._open_access = open_access
 
     @classmethod
-    def open_access(cls) -> "TenantRegistry":
+    def open_access(cls, secret: InternalSecret) -> "TenantRegistry":
         """No tenants configured: everyone is the unlimited tenant "anonymous"."""
-        anonymous = Tenant(ANONYMOUS, None, None, RateLimits(), _cache_salt(ANONYMOUS, None))
+        anonymous = Tenant(ANONYMOUS, None, None, RateLimits(), _cache_salt(secret, ANONYMOUS, None))
         return cls([anonymous], {}, open_access=True)
 
     @classmethod
-    def load(cls, path: str | Path) -> "TenantRegistry":
+    def load(cls, path: str | Path, secret: InternalSecret) -> "TenantRegistry":
         """From a YAML/JSON file, or a directory (Secret mount) holding tenants.yaml."""
-        return cls.from_dict(_read_file(_resolve_file(Path(path))))
+        return cls.from_dict(_read_file(_resolve_file(Path(path))), secret)
 
     @classmethod
-    def from_dict(cls, data: Any) -> "TenantRegistry":
+    def from_dict(cls, data: Any, secret: InternalSecret) -> "TenantRegistry":
+        """``secret``: the deployment's internal secret, the key of the cache salts."""
         if not isinstance(data, dict):
             raise TenantConfigError("tenants file: expected a mapping with a `tenants` list")
         unknown = sorted(set(data) - {"tenants"})
@@ -109,7 +120,7 @@ class TenantRegistry:
         tenants: list[Tenant] = []
         by_hash: dict[str, Tenant] = {}
         for index, item in enumerate(items):
-            tenant, hashes = _parse_tenant(item, index)
+            tenant, hashes = _parse_tenant(item, index, secret)
             if any(t.name == tenant.name for t in tenants):
                 raise TenantConfigError(f"tenant {tenant.name!r}: duplicate name")
             for digest in hashes:
@@ -171,7 +182,7 @@ def _read_file(path: Path) -> Any:
         raise TenantConfigError(f"tenants file {path} is not valid YAML/JSON: {e}") from None
 
 
-def _parse_tenant(item: Any, index: int) -> tuple[Tenant, list[str]]:
+def _parse_tenant(item: Any, index: int, secret: InternalSecret) -> tuple[Tenant, list[str]]:
     where = f"tenants[{index}]"
     if not isinstance(item, dict):
         raise TenantConfigError(f"{where}: expected a mapping")
@@ -192,7 +203,7 @@ def _parse_tenant(item: Any, index: int) -> tuple[Tenant, list[str]]:
     except ValueError as e:
         raise TenantConfigError(f"{where}: {e}") from None
     group = _optional_str(item, "cache_salt_group", where)
-    return Tenant(name, default_class, allowed, limits, _cache_salt(name, group)), hashes
+    return Tenant(name, default_class, allowed, limits, _cache_salt(secret, name, group)), hashes
 
 
 def _parse_hashes(value: Any, where: str) -> list[str]:

@@ -1,13 +1,19 @@
 """The Redis tier: blocks shared by every pod of a model, with a TTL.
 
-One key per block (``tessera:{fingerprint}:{rank}/{tp}:{hash}``): a prompt
+One key per block (``{key_prefix}{fingerprint}:{rank}/{tp}:{hash}``): a prompt
 that diverges mid-way still shares every block before the divergence, and
 MGET / pipelines make a run of blocks one round trip anyway
 (docs/benchmarks.md compares the read throughput with redis-benchmark's).
+The key prefix (default ``tessera:``) lets a Redis ACL confine each
+InferenceService's pods to keys of their own (README, "The KV store"); the
+tier sends only the commands in ``REDIS_COMMANDS``.
 
 Failures never reach callers as errors: a timeout or a dead server is a
 miss (or a dropped write), counted, and the tier backs off for a while so
 that each engine step does not wait for another timeout.
+
+The URL may hold a password: it reaches the engine by environment
+(``TESSERA_KV_REDIS_URL``), and every message shows it through ``redact_url``.
 """
 
 from __future__ import annotations
@@ -15,41 +21,120 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import redis
 from redis.cluster import RedisCluster
 
 logger = logging.getLogger(__name__)
 
+# The engine reads the Redis URL from here when --kv-redis-url is not given
+# (the operator sets it from a Secret: argv is world-readable in /proc).
+REDIS_URL_ENV = "TESSERA_KV_REDIS_URL"
+DEFAULT_KEY_PREFIX = "tessera:"
+# Every command the tier sends (for a Redis ACL); ping at start-up, mget
+# (per-node under Redis Cluster) to read, set with EX to write, exists for
+# lookups, del for refused values.
+REDIS_COMMANDS = ("ping", "mget", "set", "exists", "del")
+# Characters a key prefix may not hold: Redis ACL key patterns are globs
+# (``~prefix*``), so a glob character would widen the pattern.
+_GLOB_CHARS = frozenset("*?[]\\")
+_SCHEMES = ("redis://", "rediss://", "unix://")
+
 
 @dataclass(frozen=True)
 class RedisTierConfig:
-    # redis://[[user]:password@]host:port/db, or rediss:// for TLS (certificates
-    # via the URL's ssl_* query parameters, as redis-py reads them).
-    url: str
+    # redis://[[user]:password@]host:port/db, rediss:// for TLS, or unix://.
+    # Never shown: messages use redact_url.
+    url: str = field(repr=False)
+    # Seconds a block lives in Redis.
     ttl_seconds: int = 3600
+    # The URL names one node of a Redis Cluster.
     cluster: bool = False
+    # Socket (connect and call) timeout; a slow Redis is a miss, not a stall.
     timeout_seconds: float = 0.25
     max_connections: int = 16
     # After a failure, skip Redis this long before trying again.
     backoff_seconds: float = 2.0
+    # Prepended to every key (an ACL can then confine a deployment to ``prefix*``).
+    key_prefix: str = DEFAULT_KEY_PREFIX
+    # TLS (rediss:// only): the CA bundle that signs the server's certificate,
+    # and a client certificate and its key for servers that demand one.
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"kv_redis_url must start with redis://, rediss:// or unix://, got {self.url!r}")
+        _check_url(self.url)
         if self.ttl_seconds < 1:
             raise ValueError(f"kv_redis_ttl must be >= 1 second, got {self.ttl_seconds}")
         if self.timeout_seconds <= 0:
             raise ValueError("kv_redis_timeout must be positive")
+        _check_key_prefix(self.key_prefix)
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        files = {"kv_redis_ca_file": self.ca_file, "kv_redis_cert_file": self.cert_file,
+                 "kv_redis_key_file": self.key_file}
+        for name, path in files.items():
+            if path is None:
+                continue
+            if not self.url.startswith("rediss://"):
+                raise ValueError(f"{name} needs a rediss:// kv_redis_url (TLS)")
+            if not Path(path).is_file():
+                raise ValueError(f"{name}: no such file {path}")
+        if self.key_file is not None and self.cert_file is None:
+            raise ValueError("kv_redis_key_file needs kv_redis_cert_file (the client certificate)")
+
+    def ssl_options(self) -> dict[str, str]:
+        """redis-py's keyword arguments for the TLS files that are set."""
+        options = {"ssl_ca_certs": self.ca_file, "ssl_certfile": self.cert_file, "ssl_keyfile": self.key_file}
+        return {k: v for k, v in options.items() if v is not None}
+
+
+def redact_url(url: str) -> str:
+    """The URL without its credentials (user, password, query), for messages."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "***"  # not a URL: nothing of it can be told apart from a password
+    if "@" in rest:  # the last '@' ends the credentials, even one holding '@' or '/'
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    if "?" in rest:  # redis-py also reads password=... from the query
+        rest = rest.split("?", 1)[0] + "?***"
+    return f"{scheme}://{rest}"
+
+
+def _check_url(url: str) -> None:
+    if not isinstance(url, str) or not url.startswith(_SCHEMES):
+        scheme = url.partition("://")[0] if isinstance(url, str) and "://" in url else None
+        got = f"scheme {scheme!r}" if scheme is not None and scheme.isalnum() else "a value without one"
+        raise ValueError(f"kv_redis_url must start with redis://, rediss:// or unix://, got {got}")
+    try:
+        redis.connection.parse_url(url)
+    except ValueError:
+        # parse_url's own message may quote parts of the URL.
+        raise ValueError(f"kv_redis_url {redact_url(url)} is not a valid Redis URL") from None
+
+
+def _check_key_prefix(prefix: str) -> None:
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError("kv_redis_key_prefix must be a non-empty string")
+    if len(prefix) > 200 or not prefix.isprintable() or any(c.isspace() or c in _GLOB_CHARS for c in prefix):
+        raise ValueError(
+            f"kv_redis_key_prefix {prefix[:200]!r} must be at most 200 printable characters without spaces or "
+            "glob characters (* ? [ ] \\): a Redis ACL pattern is the prefix followed by *")
 
 
 class RedisTier:
     def __init__(self, config: RedisTierConfig, namespace: str) -> None:
+        """``namespace``: what follows the key prefix in every key (the
+        engine's fingerprint and TP rank), so readers of other layouts never
+        meet these keys."""
         self.config = config
-        self.namespace = namespace.encode()
+        self.namespace = (config.key_prefix + namespace).encode()
         common = dict(socket_timeout=config.timeout_seconds, socket_connect_timeout=config.timeout_seconds,
-                      max_connections=config.max_connections)
+                      max_connections=config.max_connections, **config.ssl_options())
         if config.cluster:
             self._client = RedisCluster.from_url(config.url, **common)
         else:
@@ -59,7 +144,7 @@ class RedisTier:
         self.errors = 0
         self.available = self._ping()
         if not self.available:
-            logger.warning("kv store: Redis at %s is unreachable; serving from the host tier", _redact(config.url))
+            logger.warning("kv store: Redis at %s is unreachable; serving from the host tier", redact_url(config.url))
 
     def key(self, block_hash: bytes) -> bytes:
         return self.namespace + block_hash.hex().encode()
@@ -142,10 +227,3 @@ class RedisTier:
         except redis.RedisError:
             pass
 
-
-def _redact(url: str) -> str:
-    """The URL without its password, for logs."""
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"

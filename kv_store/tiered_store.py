@@ -2,10 +2,13 @@
 
 ``put`` lands in the host tier at once and reaches Redis through a bounded
 write-behind queue (full queue: the write is dropped and counted, never
-waited for). ``get_blocks`` returns the leading run of valid blocks: host
-first, then one Redis round trip for the rest; Redis hits are promoted to
-the host tier; a value that fails validation is deleted and counted, and
-the run stops there (a miss: the engine recomputes).
+waited for). Values bound for Redis are signed (the codec's MAC) on the
+write-behind thread, off the engine step; a synchronous put signs inline.
+``get_blocks`` returns the leading run of valid blocks: host first, then one
+Redis round trip for the rest; Redis values must pass the MAC, host values
+(this process's own memory) need not; Redis hits are promoted to the host
+tier; a value that fails any check is deleted from its tier and counted by
+tier and reason, and the run stops there (a miss: the engine recomputes).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, fields
+from collections import Counter
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -39,17 +43,27 @@ class KVStoreStats:
     bytes_written_host: int = 0
     bytes_written_redis: int = 0
     writes_dropped: int = 0
-    corrupt_values: int = 0
     load_seconds: float = 0.0
     loads: int = 0
+    # Values refused on read (and deleted), by (tier, reason): reasons are
+    # kv_store.codec.REJECT_REASONS.
+    rejected: Counter = field(default_factory=Counter)
+
+    @property
+    def rejected_values(self) -> int:
+        return sum(self.rejected.values())
 
     def as_dict(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rejected"}
+        out.update({f"rejected_{tier}_{reason}": n for (tier, reason), n in self.rejected.items()})
+        return out
 
 
 class TieredKVStore:
     def __init__(self, codec: BlockCodec, host: HostMemoryTier, remote: RedisTier | None = None,
                  write_queue_size: int = 256) -> None:
+        if remote is not None and not codec.can_sign:
+            raise ValueError("the Redis tier needs a KV MAC key (kv_mac_key): values in a shared tier are signed")
         self.codec = codec
         self.host = host
         self.remote = remote
@@ -94,17 +108,19 @@ class TieredKVStore:
             for i, value in zip(missing, fetched):
                 values[i] = value
         from_remote = set(missing)
-        host_hits = redis_hits = bytes_host = bytes_redis = corrupt = 0
+        host_hits = redis_hits = bytes_host = bytes_redis = 0
+        rejected = None
         for i, (h, value) in enumerate(zip(hashes, values)):
             if value is None:
                 break
             from_redis = i in from_remote
             try:
-                blocks.append(self.codec.decode(h, value))
+                blocks.append(self.codec.decode(h, value, verify_mac=from_redis))
             except CorruptBlockError as e:
-                logger.warning("kv store: dropping corrupt block %s from %s (%s)",
-                               h.hex()[:12], "redis" if from_redis else "host", e)
-                corrupt += 1
+                tier = "redis" if from_redis else "host"
+                logger.warning("kv store: refusing block %s from %s (%s: %s); deleted", h.hex()[:12], tier,
+                               e.reason, e)
+                rejected = (tier, e.reason)
                 (self.remote.delete if from_redis else self.host.delete)(h)
                 break
             if from_redis:
@@ -122,7 +138,8 @@ class TieredKVStore:
             s.redis_hits += redis_hits
             s.bytes_read_host += bytes_host
             s.bytes_read_redis += bytes_redis
-            s.corrupt_values += corrupt
+            if rejected is not None:
+                s.rejected[rejected] += 1
             if blocks:
                 s.loads += 1
                 s.load_seconds += elapsed
@@ -132,16 +149,13 @@ class TieredKVStore:
     def put(self, block_hash: bytes, block: torch.Tensor, sync_remote: bool = False) -> None:
         """Store a block: host tier now, Redis behind (or now, with sync_remote)."""
         value = self.codec.encode(block_hash, block)
-        self.put_encoded(block_hash, value, sync_remote)
-
-    def put_encoded(self, block_hash: bytes, value: bytes, sync_remote: bool = False) -> None:
         if self.host.put(block_hash, value):
             with self._stats_lock:
                 self.stats.bytes_written_host += len(value)
         if self.remote is None:
             return
         if sync_remote:
-            if self.remote.put_many([(block_hash, value)]):
+            if self.remote.put_many([(block_hash, self.codec.sign(value))]):
                 with self._stats_lock:
                     self.stats.bytes_written_redis += len(value)
             return
@@ -170,9 +184,10 @@ class TieredKVStore:
             self._flush_batch(batch)
 
     def _flush_batch(self, batch: list[tuple[bytes, bytes]]) -> None:
-        if self.remote.put_many(batch):
+        signed = [(h, self.codec.sign(v)) for h, v in batch]
+        if self.remote.put_many(signed):
             with self._stats_lock:
-                self.stats.bytes_written_redis += sum(len(v) for _, v in batch)
+                self.stats.bytes_written_redis += sum(len(v) for _, v in signed)
         for _ in batch:
             self._writes.task_done()
 

@@ -112,11 +112,12 @@ def test_api_key_prints_a_key_and_the_entry_that_authenticates_it():
     import yaml
 
     from gateway.tenants import TenantRegistry
+    from tessera.internal_secret import InternalSecret
 
     proc = _tessera("api-key", "--tenant", "acme")
     assert proc.returncode == 0, proc.stderr
     key = proc.stdout.splitlines()[0].rsplit(" ", 1)[1]
-    registry = TenantRegistry.from_dict(yaml.safe_load(proc.stdout))
+    registry = TenantRegistry.from_dict(yaml.safe_load(proc.stdout), InternalSecret.generate())
     assert registry.authenticate(f"Bearer {key}").name == "acme"
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from engine_pod.attention.backend import ATTENTION_BACKENDS
+from kv_store.redis_tier import DEFAULT_KEY_PREFIX, REDIS_URL_ENV
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -32,9 +34,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\'')
     k = parser.add_argument_group("KV store")
     k.add_argument("--kv-host-bytes", type=int, default=0, help="host-memory tier budget in bytes (0: off)")
-    k.add_argument("--kv-redis-url", default=None, help="redis:// or rediss:// URL of the shared tier")
+    k.add_argument("--kv-redis-url", default=None,
+                   help=f"redis:// or rediss:// URL of the shared tier (default: ${REDIS_URL_ENV}; prefer the "
+                        "variable when the URL holds a password: the command line is visible to every user)")
     k.add_argument("--kv-redis-ttl", type=int, default=3600, help="seconds a block lives in Redis")
     k.add_argument("--kv-redis-cluster", action="store_true", help="the URL names a Redis Cluster")
+    k.add_argument("--kv-redis-key-prefix", default=DEFAULT_KEY_PREFIX,
+                   help="prefix of every Redis key (one per InferenceService, for a Redis ACL)")
+    k.add_argument("--kv-redis-ca-file", default=None, help="rediss://: CA bundle that signs the server's certificate")
+    k.add_argument("--kv-redis-cert-file", default=None, help="rediss://: client certificate (PEM)")
+    k.add_argument("--kv-redis-key-file", default=None, help="rediss://: the client certificate's private key (PEM)")
     k.add_argument("--kv-write-queue-size", type=int, default=256,
                    help="Redis write-behind queue; beyond it writes are dropped (and counted)")
 
@@ -56,10 +65,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         scheduling_policy=args.scheduling_policy,
         attention_backend=args.attention_backend,
         kv_host_bytes=args.kv_host_bytes,
-        kv_redis_url=args.kv_redis_url,
+        kv_redis_url=args.kv_redis_url or os.environ.get(REDIS_URL_ENV) or None,
         kv_redis_ttl=args.kv_redis_ttl,
         kv_redis_cluster=args.kv_redis_cluster,
         kv_write_queue_size=args.kv_write_queue_size,
+        kv_redis_key_prefix=args.kv_redis_key_prefix,
+        kv_redis_ca_file=args.kv_redis_ca_file,
+        kv_redis_cert_file=args.kv_redis_cert_file,
+        kv_redis_key_file=args.kv_redis_key_file,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=args.speculative_config,
     )

@@ -117,7 +117,7 @@ class KVStoreCollector:
         yield per_tier("tessera:kv_store_written_bytes", "Bytes written to the KV store",
                        s.bytes_written_host, s.bytes_written_redis)
         yield counter("tessera:kv_store_write_drops", "Redis writes dropped (write-behind queue full)", s.writes_dropped)
-        yield counter("tessera:kv_store_corrupt_values", "Stored blocks that failed validation (deleted)", s.corrupt_values)
+        yield self._rejected(labels, m)
         summary = SummaryMetricFamily("tessera:kv_store_load_seconds", "Time to load a run of blocks", labels=labels)
         summary.add_metric(m, count_value=s.loads, sum_value=s.load_seconds)
         yield summary
@@ -130,6 +130,23 @@ class KVStoreCollector:
             up.add_metric(m, 1.0 if remote.available else 0.0)
             yield up
             yield counter("tessera:kv_store_redis_errors", "Failed Redis calls", remote.errors)
+
+    def _rejected(self, labels, m):
+        """Refused stored values by tier and reason (truncated, format, mac,
+        misaddressed: kv_store/codec.py); every pair is exposed, zeros too,
+        so an alert on reason="mac" needs no absent-series handling."""
+        from prometheus_client.core import CounterMetricFamily
+
+        from kv_store.codec import REJECT_REASONS
+
+        fam = CounterMetricFamily("tessera:kv_store_rejected_values",
+                                  "Stored blocks refused on read (and deleted), by tier and reason",
+                                  labels=labels + ["tier", "reason"])
+        tiers = ("host", "redis") if self.store.remote is not None else ("host",)
+        for tier in tiers:
+            for reason in REJECT_REASONS:
+                fam.add_metric(m + [tier, reason], self.store.stats.rejected[(tier, reason)])
+        return fam
 
 
 class StructuredOutputCollector:

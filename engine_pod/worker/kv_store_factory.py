@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from engine_pod.config import EngineConfig
-from kv_store.codec import BlockCodec, BlockLayout
+from kv_store.codec import FORMAT_VERSION, BlockCodec, BlockLayout
 from kv_store.fingerprint import model_fingerprint
 from kv_store.host_tier import HostMemoryTier
-from kv_store.redis_tier import RedisTier, RedisTierConfig
+from kv_store.redis_tier import RedisTier
 from kv_store.tiered_store import TieredKVStore
 
 
 def build_kv_store(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> TieredKVStore:
     arch, kv = config.model.arch, config.kv_store
     dtype_name = str(config.model.dtype).removeprefix("torch.")
-    fingerprint = model_fingerprint(config.model.path, dtype_name)
+    # The format version is part of what a value must match: values of
+    # another version live under other keys and are never even fetched.
+    fingerprint = model_fingerprint(config.model.path, dtype_name, extra=f"kv-format-{FORMAT_VERSION}")
     layout = BlockLayout(
         fingerprint=fingerprint, tp_rank=tp_rank, tp_size=tp_size, num_layers=arch.num_hidden_layers,
         block_size=config.cache.block_size, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
@@ -21,6 +23,6 @@ def build_kv_store(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> 
     )
     remote = None
     if kv.redis_url is not None:
-        redis_config = RedisTierConfig(kv.redis_url, kv.redis_ttl_seconds, kv.redis_cluster)
-        remote = RedisTier(redis_config, namespace=f"tessera:{fingerprint.hex()}:{tp_rank}/{tp_size}:")
-    return TieredKVStore(BlockCodec(layout), HostMemoryTier(kv.host_bytes), remote, kv.write_queue_size)
+        remote = RedisTier(kv.redis_tier_config(), namespace=f"{fingerprint.hex()}:{tp_rank}/{tp_size}:")
+    codec = BlockCodec(layout, kv.mac_key)
+    return TieredKVStore(codec, HostMemoryTier(kv.host_bytes), remote, kv.write_queue_size)

@@ -1,7 +1,8 @@
 """``tessera bench kv-store``: TTFT of a long prompt by recomputation vs from
-the host tier vs from Redis, and the Redis tier's read throughput next to
+the host tier vs from Redis, the Redis tier's read throughput next to
 redis-benchmark's for the same value size (plus one-block vs run-of-blocks
-keys, the measurement behind the one-block-per-key choice)."""
+keys, the measurement behind the one-block-per-key choice), and the codec's
+cost per block (encode, the MAC on signing and on verification)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import time
 from pathlib import Path
 
 from engine_pod import LLM, SamplingParams
+from kv_store.codec import BlockCodec, BlockLayout
 from kv_store.local_redis import RedisServer
 from kv_store.redis_tier import RedisTier, RedisTierConfig
 from tessera.bench.common import add_common_args, write_report
+from tessera.internal_secret import InternalSecret
 
 
 def _ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
@@ -31,10 +34,13 @@ def _forget_device_cache(llm: LLM) -> None:
         raise RuntimeError("prefix cache still in use")
 
 
-def _ttft_runs(args, redis_url: str) -> dict:
+def _ttft_runs(args, redis_url: str) -> tuple[dict, BlockLayout]:
     common = dict(dtype=args.dtype, kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), max_model_len=args.prompt_len)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(5, 6000) for _ in range(args.prompt_len)] for _ in range(args.repeats)]
+    # The environment's secret when there is one, else a fresh one: the
+    # writer and the reader must share it (one deployment).
+    common["kv_mac_key"] = (InternalSecret.load() or InternalSecret.generate()).kv_mac_key
     writer = LLM(args.model, **common, kv_host_bytes=int(args.host_gib * 2**30), kv_redis_url=redis_url)
     _ttft(writer, [5] * 64)  # warm-up
     recompute, host = [], []
@@ -53,15 +59,48 @@ def _ttft_runs(args, redis_url: str) -> dict:
                         "cached_tokens": [c for _, c in runs]}
     for name in ("host_tier", "redis"):
         result[name]["speedup_vs_recompute"] = result["recompute"]["median_ttft_s"] / result[name]["median_ttft_s"]
-    result["block_bytes"] = len(writer.engine_core.kv_store.codec.encode(b"\0" * 32, _zeros(writer)))
-    return result
+    layout = writer.engine_core.kv_store.codec.layout
+    result["block_bytes"] = len(writer.engine_core.kv_store.codec.encode(b"\0" * 32, _zeros(layout)))
+    return result, layout
 
 
-def _zeros(llm: LLM):
+def _zeros(layout: BlockLayout):
     import torch
 
-    layout = llm.engine_core.kv_store.codec.layout
     return torch.zeros(layout.block_shape, dtype=layout.dtype)
+
+
+# A 2 MiB block: Llama-3-8B's shape (32 layers, 8 KV heads of 128, bf16, 16 tokens).
+_LARGE_LAYOUT = dict(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128)
+
+
+def _codec_costs(layout: BlockLayout, repeats: int) -> dict:
+    """Milliseconds per block of each codec step (best of ``repeats``): the
+    host tier's encode and decode, and the MAC's share on the Redis path
+    (sign on the write-behind thread, verification on the engine step)."""
+    import torch
+
+    codec = BlockCodec(layout, InternalSecret.generate().kv_mac_key)
+    block = torch.randn(layout.block_shape).to(layout.dtype)
+    h = b"\1" * 32
+    value = codec.encode(h, block)
+    signed = codec.sign(value)
+    steps = {
+        "encode_ms": lambda: codec.encode(h, block),
+        "sign_ms": lambda: codec.sign(value),
+        "decode_host_ms": lambda: codec.decode(h, value, verify_mac=False),
+        "decode_verified_ms": lambda: codec.decode(h, signed),
+    }
+    out = {"block_bytes": len(signed)}
+    for name, step in steps.items():
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step()
+            best = min(best, time.perf_counter() - start)
+        out[name] = best * 1000
+    out["mac_gb_s"] = len(signed) / ((out["decode_verified_ms"] - out["decode_host_ms"]) / 1000) / 1e9
+    return out
 
 
 def _tier_read_throughput(url: str, value_bytes: int, batch: int, total_bytes: int, run_blocks: int) -> dict:
@@ -112,12 +151,19 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(Path(tmp))
         try:
-            report = {"ttft": _ttft_runs(args, server.url)}
+            ttft, layout = _ttft_runs(args, server.url)
+            report = {"ttft": ttft}
             t = report["ttft"]
             print(f"TTFT of a {args.prompt_len}-token prompt (median of {args.repeats}): recompute "
                   f"{t['recompute']['median_ttft_s'] * 1000:.0f} ms; host tier {t['host_tier']['median_ttft_s'] * 1000:.0f} ms "
                   f"({t['host_tier']['speedup_vs_recompute']:.1f}x); Redis {t['redis']['median_ttft_s'] * 1000:.0f} ms "
                   f"({t['redis']['speedup_vs_recompute']:.1f}x)")
+            large = BlockLayout(**{**layout.__dict__, **_LARGE_LAYOUT})
+            report["codec"] = {"engine_block": _codec_costs(layout, 50), "2mib_block": _codec_costs(large, 20)}
+            for name, c in report["codec"].items():
+                print(f"codec, {name} of {c['block_bytes']} bytes: encode {c['encode_ms']:.3f} ms, sign "
+                      f"{c['sign_ms']:.3f} ms, decode from the host tier {c['decode_host_ms']:.3f} ms, decode with "
+                      f"the MAC verified {c['decode_verified_ms']:.3f} ms (MAC {c['mac_gb_s']:.2f} GB/s)")
             value_bytes = t["block_bytes"]
             batch = (args.prompt_len - 1) // 16
             # Alternate the tier and redis-benchmark over rounds: the machine's

@@ -12,8 +12,11 @@ import yaml
 from gateway.tenants import (
     AuthError, RateLimits, Tenant, TenantConfigError, TenantRegistry, hash_api_key,
 )
+from tessera.internal_secret import InternalSecret
 
 KEY_A, KEY_A2, KEY_B = "sk-acme-1", "sk-acme-2", "sk-beta-1"
+# The deployment's internal secret: the key of the cache salts.
+SECRET = InternalSecret.from_text("tenants-tests-internal-secret-0123456789")
 
 
 def _config(**acme_overrides) -> dict:
@@ -33,7 +36,7 @@ def test_hash_api_key_is_sha256_hex():
 
 
 def test_authenticate_maps_every_rotated_key_to_its_tenant():
-    registry = TenantRegistry.from_dict(_config())
+    registry = TenantRegistry.from_dict(_config(), SECRET)
     acme = registry.authenticate(f"Bearer {KEY_A}")
     assert acme.name == "acme"
     assert registry.authenticate(f"Bearer {KEY_A2}") is acme
@@ -44,8 +47,8 @@ def test_authenticate_maps_every_rotated_key_to_its_tenant():
 
 
 def test_parsed_tenant_without_options_is_unlimited():
-    beta = TenantRegistry.from_dict(_config()).authenticate(f"Bearer {KEY_B}")
-    assert beta == Tenant("beta", None, None, RateLimits(), "tenant:beta")
+    beta = TenantRegistry.from_dict(_config(), SECRET).authenticate(f"Bearer {KEY_B}")
+    assert beta == Tenant("beta", None, None, RateLimits(), SECRET.cache_salt("tenant:beta"))
 
 
 @pytest.mark.parametrize("header, message", [
@@ -60,14 +63,14 @@ def test_parsed_tenant_without_options_is_unlimited():
     (f"Bearer {hash_api_key(KEY_A)}", "invalid API key"),  # the stored hash is not a key
 ])
 def test_bad_credentials_raise_auth_error(header, message):
-    registry = TenantRegistry.from_dict(_config())
+    registry = TenantRegistry.from_dict(_config(), SECRET)
     with pytest.raises(AuthError, match=message) as info:
         registry.authenticate(header)
     assert KEY_A not in str(info.value)
 
 
 def test_open_access_admits_everyone_as_anonymous():
-    registry = TenantRegistry.open_access()
+    registry = TenantRegistry.open_access(SECRET)
     for header in (None, "", "Bearer whatever", "garbage"):
         tenant = registry.authenticate(header)
         assert tenant.name == "anonymous"
@@ -82,23 +85,45 @@ def test_cache_salt_is_per_tenant_unless_grouped():
     data["tenants"][1]["cache_salt_group"] = "shared-docs"
     data["tenants"].append({"name": "solo", "api_key_sha256": hash_api_key("sk-solo")})
     data["tenants"].append({"name": "shared-docs", "api_key_sha256": [hash_api_key("sk-x")]})
-    salts = {t.name: t.cache_salt for t in TenantRegistry.from_dict(data).tenants}
-    assert salts["acme"] == salts["beta"] == "group:shared-docs"
-    assert salts["solo"] == "tenant:solo"
+    salts = {t.name: t.cache_salt for t in TenantRegistry.from_dict(data, SECRET).tenants}
+    assert salts["acme"] == salts["beta"] == SECRET.cache_salt("group:shared-docs")
+    assert salts["solo"] == SECRET.cache_salt("tenant:solo")
     # A tenant named like a group still gets its own salt.
     assert salts["shared-docs"] != salts["acme"]
+    assert len(set(salts.values())) == 3
+
+
+def test_cache_salts_are_keyed_by_the_internal_secret():
+    """Knowing a tenant's name gives nothing: the salt is a keyed hash that
+    another deployment (another secret) cannot reproduce."""
+    data = _config(cache_salt_group="docs")
+    data["tenants"][1]["cache_salt_group"] = "docs"
+    data["tenants"].append({"name": "solo", "api_key_sha256": hash_api_key("sk-solo")})
+    other = InternalSecret.from_text("another-deployment-internal-secret-0123")
+    ours = {t.name: t.cache_salt for t in TenantRegistry.from_dict(data, SECRET).tenants}
+    theirs = {t.name: t.cache_salt for t in TenantRegistry.from_dict(data, other).tenants}
+    for name in ("acme", "beta", "solo"):
+        assert ours[name] != theirs[name]
+        for salt in (ours[name], theirs[name]):
+            assert name not in salt and "docs" not in salt and "tenant:" not in salt and "group:" not in salt
+            assert len(salt) == 64
+    assert ours["acme"] == ours["beta"]  # the group still shares one salt
+    anonymous = [TenantRegistry.open_access(s).tenants[0].cache_salt for s in (SECRET, other)]
+    assert anonymous[0] != anonymous[1] and "anonymous" not in anonymous[0]
+    with pytest.raises(TypeError, match="InternalSecret"):
+        TenantRegistry.from_dict(data, None)
 
 
 def test_uppercase_hashes_are_accepted():
     data = _config(api_key_sha256=[hash_api_key(KEY_A).upper()])
-    assert TenantRegistry.from_dict(data).authenticate(f"Bearer {KEY_A}").name == "acme"
+    assert TenantRegistry.from_dict(data, SECRET).authenticate(f"Bearer {KEY_A}").name == "acme"
 
 
 def test_load_yaml_and_json_files(tmp_path):
     (tmp_path / "t.yaml").write_text(yaml.safe_dump(_config()))
     (tmp_path / "t.json").write_text(json.dumps(_config()))
     for name in ("t.yaml", "t.json"):
-        registry = TenantRegistry.load(tmp_path / name)
+        registry = TenantRegistry.load(tmp_path / name, SECRET)
         assert [t.name for t in registry.tenants] == ["acme", "beta"]
         assert registry.authenticate(f"Bearer {KEY_B}").name == "beta"
 
@@ -111,23 +136,23 @@ def test_load_kubernetes_secret_mount_directory(tmp_path):
     (real / "tenants.yaml").write_text(yaml.safe_dump(_config()))
     os.symlink(real.name, mount / "..data")
     os.symlink("..data/tenants.yaml", mount / "tenants.yaml")
-    registry = TenantRegistry.load(mount)
+    registry = TenantRegistry.load(mount, SECRET)
     assert registry.authenticate(f"Bearer {KEY_A}").name == "acme"
 
 
 def test_load_errors_name_the_problem(tmp_path):
     with pytest.raises(TenantConfigError, match="cannot read"):
-        TenantRegistry.load(tmp_path / "absent.yaml")
+        TenantRegistry.load(tmp_path / "absent.yaml", SECRET)
     with pytest.raises(TenantConfigError, match="holds none of"):
-        TenantRegistry.load(tmp_path)
+        TenantRegistry.load(tmp_path, SECRET)
     (tmp_path / "bad.yaml").write_text("tenants: [unclosed")
     with pytest.raises(TenantConfigError, match="not valid YAML"):
-        TenantRegistry.load(tmp_path / "bad.yaml")
+        TenantRegistry.load(tmp_path / "bad.yaml", SECRET)
 
 
 def _config_error(data) -> str:
     with pytest.raises(TenantConfigError) as info:
-        TenantRegistry.from_dict(data)
+        TenantRegistry.from_dict(data, SECRET)
     return str(info.value)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,9 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_pod import LLM, SamplingParams
 from engine_pod.server.process import EnginePodProcess
 from kv_store.block_hash import hash_request_tokens
+from tessera.internal_secret import InternalSecret
 from tessera.v1 import engine_pb2 as pb
 from tessera.v1 import engine_pb2_grpc as pb_grpc
-from tests.pod.client import collect, greedy
+from tests.pod.client import collect, greedy, pod_aio_channel, pod_channel
 
 BLOCK = 16
 ENGINE_KW = dict(dtype="float64", max_model_len=512, kv_cache_memory_bytes=16 << 20)
@@ -64,13 +66,21 @@ def _full_prompt_blocks(prompt: list[int]) -> int:
     return (len(prompt) - 1) // BLOCK
 
 
-def test_second_pod_loads_the_first_pods_blocks_from_redis(tiny_llama, redis_server, recomputed, tmp_path):
+def test_second_pod_loads_the_first_pods_blocks_from_redis(tiny_llama, recomputed, tmp_path):
+    """Through a password-protected Redis whose URL reaches the pods by
+    environment: no credential in any pod process's argv (/proc/*/cmdline
+    is world-readable)."""
+    from kv_store.local_redis import RedisServer
+    from kv_store.redis_tier import REDIS_URL_ENV
+    from tests.conftest import TEST_INTERNAL_SECRET
+
     prompts = _prompts(3, seed=1)
-    args = POD_ARGS + ["--kv-redis-url", redis_server.url]
+    server = RedisServer(tmp_path, password="hunter2-redis-pw")
+    env = {REDIS_URL_ENV: server.url}
     requests = [greedy(p, 12) for p in prompts]
 
     async def run(pod):
-        async with grpc.aio.insecure_channel(pod.address) as channel:
+        async with pod_aio_channel(pod.address) as channel:
             stub = pb_grpc.EngineStub(channel)
             results = []
             for r in requests:  # one at a time, so each prompt's blocks are written before the next pod reads
@@ -82,24 +92,32 @@ def test_second_pod_loads_the_first_pods_blocks_from_redis(tiny_llama, redis_ser
                 results.append((tokens, cached))
             return results
 
-    with EnginePodProcess(tiny_llama, args, log_path=tmp_path / "a.log") as pod_a:
-        pod_a.wait_serving()
-        first = asyncio.run(run(pod_a))
-    # Pod A shut down (flushing its write-behind queue); pod B starts empty.
-    with EnginePodProcess(tiny_llama, args, log_path=tmp_path / "b.log") as pod_b:
-        pod_b.wait_serving()
-        second = asyncio.run(run(pod_b))
-        redis_hits = _metric(pod_b, "tessera:kv_store_hits_total", tier="redis")
-        read_bytes = _metric(pod_b, "tessera:kv_store_read_bytes_total", tier="redis")
-        loads = _metric(pod_b, "tessera:kv_store_load_seconds_count")
-        lookups = _metric(pod_b, "tessera:kv_store_lookups_total")
+    try:
+        with EnginePodProcess(tiny_llama, POD_ARGS, env=env, log_path=tmp_path / "a.log") as pod_a:
+            pod_a.wait_serving()
+            first = asyncio.run(run(pod_a))
+            for pid in [pod_a.proc.pid, *_descendants(pod_a.proc.pid)]:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                assert b"hunter2" not in cmdline and TEST_INTERNAL_SECRET.encode() not in cmdline, pid
+        # Pod A shut down (flushing its write-behind queue); pod B starts empty.
+        with EnginePodProcess(tiny_llama, POD_ARGS, env=env, log_path=tmp_path / "b.log") as pod_b:
+            pod_b.wait_serving()
+            second = asyncio.run(run(pod_b))
+            redis_hits = _metric(pod_b, "tessera:kv_store_hits_total", tier="redis")
+            read_bytes = _metric(pod_b, "tessera:kv_store_read_bytes_total", tier="redis")
+            loads = _metric(pod_b, "tessera:kv_store_load_seconds_count")
+            lookups = _metric(pod_b, "tessera:kv_store_lookups_total")
+            rejected = _metric(pod_b, "tessera:kv_store_rejected_values_total", tier="redis", reason="mac")
+    finally:
+        server.stop()
     expected = recomputed(prompts)
     assert [t for t, _ in first] == expected
     assert [t for t, _ in second] == expected
     assert [c for _, c in first] == [0, 0, 0]
     assert [c for _, c in second] == [_full_prompt_blocks(p) * BLOCK for p in prompts]
     assert redis_hits == lookups == sum(_full_prompt_blocks(p) for p in prompts)
-    assert loads == 3 and read_bytes > redis_hits * 1000
+    assert loads == 3 and read_bytes > redis_hits * 1000 and rejected == 0
+    assert "hunter2" not in (tmp_path / "a.log").read_text() + (tmp_path / "b.log").read_text()
 
 
 def test_prefill_and_decode_pods_match_mixed_mode(tiny_llama, redis_server, recomputed, tmp_path):
@@ -111,7 +129,7 @@ def test_prefill_and_decode_pods_match_mixed_mode(tiny_llama, redis_server, reco
         decode.wait_serving()
 
         async def run():
-            async with grpc.aio.insecure_channel(prefill.address) as pch, grpc.aio.insecure_channel(decode.address) as dch:
+            async with pod_aio_channel(prefill.address) as pch, pod_aio_channel(decode.address) as dch:
                 pstub, dstub = pb_grpc.EngineStub(pch), pb_grpc.EngineStub(dch)
                 out = []
                 for p in prompts:
@@ -142,7 +160,7 @@ def test_pd_modes_are_checked_against_the_role(tiny_llama, redis_server, tmp_pat
         pod.wait_serving()
         request = greedy([5, 6, 7], 2)
         request.kv_transfer.mode = pb.KVTransferParams.MODE_PRODUCE
-        with grpc.insecure_channel(pod.address) as channel:
+        with pod_channel(pod.address) as channel:
             with pytest.raises(grpc.RpcError) as info:
                 list(pb_grpc.EngineStub(channel).Generate(request, timeout=10))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -161,34 +179,76 @@ def test_redis_killed_mid_run_changes_nothing(tiny_llama, redis_server, recomput
     assert not fresh.engine_core.kv_store.remote.available
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_corrupt_values_are_detected_recomputed_and_deleted(tiny_llama, redis_server, recomputed, damage):
-    prompts = _prompts(2, seed=4)
+def _forge(kind: str, value: bytes, other_value: bytes, codec) -> bytes:
+    """A value planted under a block's key; all but truncation carry another
+    block's KV, so accepting one would change the greedy tokens."""
+    from kv_store.codec import HEADER_SIZE, BlockCodec
+
+    forged_payload = value[:HEADER_SIZE] + other_value[HEADER_SIZE:]  # the header (and MAC) kept
+    if kind == "forged":
+        return forged_payload
+    if kind == "other-deployment":  # signed, but with another deployment's key
+        other_key = InternalSecret.from_text("another-deployment-secret-0123456789").kv_mac_key
+        return BlockCodec(codec.layout, other_key).sign(forged_payload)
+    if kind == "truncated":
+        return value[: len(value) // 2]
+    assert kind == "misaddressed"  # a genuine value copied under another block's key
+    return other_value
+
+
+def test_forged_replayed_truncated_and_misaddressed_values_never_change_a_token(tiny_llama, redis_server,
+                                                                                recomputed):
+    kinds = ["forged", "other-deployment", "truncated", "misaddressed"]
+    prompts = _prompts(len(kinds), seed=4)
     writer = LLM(str(tiny_llama), **ENGINE_KW, kv_redis_url=redis_server.url)
     _generate(writer, prompts)
-    writer.engine_core.kv_store.flush()
-    keys = sorted(redis_server.client.keys("tessera:*"))
-    assert keys
-    for key in keys:
-        value = redis_server.client.get(key)
-        if damage == "flip":
-            value = value[:-10] + bytes([value[-10] ^ 0x01]) + value[-9:]
-        else:
-            value = value[: len(value) // 2]
-        redis_server.client.set(key, value)
+    store = writer.engine_core.kv_store
+    store.flush()
+    # Every key of prompt i gets forgery i; the values copied in come from
+    # another prompt's blocks (prompt i + 1's first block).
+    hashes = [hash_request_tokens(p, BLOCK)[: _full_prompt_blocks(p)] for p in prompts]
+    keys = [[store.remote.key(h) for h in hs] for hs in hashes]
+    originals = {k: redis_server.client.get(k) for ks in keys for k in ks}
+    assert all(originals.values())
+    for i, kind in enumerate(kinds):
+        other = originals[keys[(i + 1) % len(kinds)][0]]
+        for key in keys[i]:
+            redis_server.client.set(key, _forge(kind, originals[key], other, store.codec))
     reader = LLM(str(tiny_llama), **ENGINE_KW, kv_redis_url=redis_server.url)
     assert _tokens(_generate(reader, prompts)) == recomputed(prompts)
-    store = reader.engine_core.kv_store
-    assert store.stats.corrupt_values >= 1 and store.stats.redis_hits == 0
-    assert reader.stats.external_prefix_hits == 0
+    rstore = reader.engine_core.kv_store
+    assert rstore.stats.redis_hits == 0 and reader.stats.external_prefix_hits == 0
+    # Each prompt's run stops at its first block: one refusal each.
+    assert dict(rstore.stats.rejected) == {("redis", "mac"): 2, ("redis", "truncated"): 1,
+                                           ("redis", "misaddressed"): 1}
     # Deleted on detection (tests/kv_store/test_store.py checks the delete
-    # itself); the reader then saved freshly computed blocks, so every key is
-    # valid again.
-    store.flush()
-    for key in keys:
-        value = redis_server.client.get(key)
-        if value is not None:
-            store.codec.decode(bytes.fromhex(key.decode().rsplit(":", 1)[1]), value)
+    # itself); the reader then saved freshly computed blocks, so every key
+    # holds a genuine value again.
+    rstore.flush()
+    for hs, ks in zip(hashes, keys):
+        for h, key in zip(hs, ks):
+            rstore.codec.decode(h, redis_server.client.get(key))
+
+
+def test_the_redis_tier_needs_the_internal_secret(tiny_llama, redis_server, monkeypatch, tmp_path):
+    from engine_pod.config import create_engine_config
+
+    monkeypatch.delenv("TESSERA_INTERNAL_SECRET", raising=False)
+    monkeypatch.delenv("TESSERA_INTERNAL_SECRET_FILE", raising=False)
+    url = redis_server.url.replace("redis://", "redis://:hunter2-pw@")
+    with pytest.raises(ValueError) as info:
+        create_engine_config(tiny_llama, kv_redis_url=url)
+    message = str(info.value)
+    assert "TESSERA_INTERNAL_SECRET_FILE" in message and "TESSERA_INTERNAL_SECRET" in message
+    assert "hunter2" not in message and str(redis_server.port) not in message
+    # An explicit key, or the secret in a file, will do.
+    assert create_engine_config(tiny_llama, kv_redis_url=url, kv_mac_key=b"k" * 32).kv_store.mac_key == b"k" * 32
+    secret_file = tmp_path / "internal-secret"
+    secret_file.write_text("a-secret-from-a-mounted-file-0123456789\n")
+    monkeypatch.setenv("TESSERA_INTERNAL_SECRET_FILE", str(secret_file))
+    config = create_engine_config(tiny_llama, kv_redis_url=url)
+    assert config.kv_store.mac_key == InternalSecret.from_file(secret_file).kv_mac_key
+    assert "hunter2" not in repr(config)
 
 
 def test_cache_salts_never_share_across_any_tier(tiny_llama, redis_server, recomputed):
@@ -247,8 +307,37 @@ def test_pod_starts_and_serves_with_redis_unreachable(tiny_llama, tmp_path, reco
     assert "unreachable" in (tmp_path / "pod.log").read_text()
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def test_a_bad_redis_url_is_refused_without_echoing_its_password(tiny_llama, monkeypatch, capsys, caplog):
+    """`tessera engine` in this process (its start-up fails before any model loads)."""
+    from kv_store.redis_tier import REDIS_URL_ENV
+    from tessera.cli import main
+
+    monkeypatch.setenv(REDIS_URL_ENV, "http://user:hunter2-redis-pw@redis:6379/0")
+    assert main(["engine", "--model", str(tiny_llama), "--metrics-port", "0"]) == 2
+    out = capsys.readouterr()
+    assert "kv_redis_url" in out.err and "'http'" in out.err
+    assert "hunter2" not in out.err + out.out + caplog.text
+
+
 async def _collect_all(address, requests):
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with pod_aio_channel(address) as channel:
         stub = pb_grpc.EngineStub(channel)
         return [await collect(stub, r) for r in requests]
 
