@@ -60,9 +60,11 @@ class EngineService(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
         arrival = time.time()
-        with tracer().start_as_current_span(
-            "engine.generate", context=parent_context(context.invocation_metadata())
-        ) as span:
+        # Not made current: grpc closes a cancelled stream's generator from
+        # another context, where a context attached here cannot be detached
+        # (opentelemetry logs that as an ERROR traceback on every cancel).
+        span = tracer().start_span("engine.generate", context=parent_context(context.invocation_metadata()))
+        try:
             span.set_attribute("tessera.request_id", request_id)
             span.set_attribute("gen_ai.usage.input_tokens", engine_request.num_prompt_tokens)
             try:
@@ -78,16 +80,20 @@ class EngineService(pb_grpc.EngineServicer):
                         yield response
                     if stream.done:
                         break
-            except asyncio.CancelledError:
-                # The client went away: free the request's KV blocks now.
+            except (asyncio.CancelledError, GeneratorExit):
+                # The client went away (a cancel, a deadline, a closed
+                # channel): expected, so no traceback; free its KV blocks now.
+                # CancelledError while waiting for the engine, GeneratorExit
+                # when grpc closes the stream suspended at a yield.
+                logger.debug("request %s: cancelled by the client", request_id)
                 self.engine.abort(request_id)
                 stream.finish("abort", time.time())
                 raise
-            finally:
-                if stream.error is not None:
-                    span.set_status(Status(StatusCode.ERROR, str(stream.error)))
-        if stream.error is not None:
-            await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {stream.error!r}")
+            if stream.error is not None:
+                span.set_status(Status(StatusCode.ERROR, str(stream.error)))
+                await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {stream.error!r}")
+        finally:
+            span.end()
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         if self.engine is None:

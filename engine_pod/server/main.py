@@ -8,6 +8,11 @@ Start-up: the gRPC port opens first and answers health NOT_SERVING while the
 model loads and warms up; then SERVING. SIGTERM (or SIGINT): NOT_SERVING,
 new requests get UNAVAILABLE, in-flight ones finish within the drain
 timeout (the rest are aborted), exit 0.
+
+Callers: every method but health needs the deployment's internal token
+(auth.py; the secret comes from TESSERA_INTERNAL_SECRET_FILE or
+TESSERA_INTERNAL_SECRET, never the command line), and with --tls-* flags a
+client certificate too. No secret, no pod, unless --no-internal-auth.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ from engine_pod.processor import Processor
 from engine_pod.request import Request
 from engine_pod.sampling_params import SamplingParams
 from engine_pod.server.async_engine import AsyncEngine, StreamEnd
+from engine_pod.server.auth import InternalAuthInterceptor, ServerTLS
 from engine_pod.server.grpc_service import EngineService
 from engine_pod.server.cpu_share import cpu_share
 from engine_pod.server.metrics import EngineMetrics, KVStoreCollector, StructuredOutputCollector
+from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, InternalSecret
 from tessera.roles import POD_ROLES
 from tessera.tracing import configure_tracing
 from tessera.text import load_eos_token_ids
@@ -59,6 +66,15 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="model label on metrics (default: the folder name)")
     p.add_argument("--cpu-threads", type=int, default=0,
                    help="torch threads on CPU (0: the pod's CPU share: affinity capped by the cgroup quota)")
+    p.add_argument("--no-internal-auth", action="store_true",
+                   help="serve callers without the internal token (only for a pod nobody else can reach)")
+    p.add_argument("--tls-cert-file", default=None, help="mutual TLS: this pod's certificate (PEM)")
+    p.add_argument("--tls-key-file", default=None, help="mutual TLS: this pod's private key (PEM)")
+    p.add_argument("--tls-client-ca-file", default=None,
+                   help="mutual TLS: the CA that must have signed every client's certificate (PEM)")
+    p.add_argument("--health-port", type=int, default=0,
+                   help="also serve grpc.health.v1 alone, in plaintext, on this port (kubelet probes "
+                        "cannot speak TLS); 0: none")
     p.set_defaults(func=serve)
 
 
@@ -71,14 +87,52 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("drain_timeout must be >= 0")
     if args.cpu_threads < 0:
         raise ValueError("cpu_threads must be >= 0 (0: the pod's CPU share)")
+    if args.health_port and args.health_port == args.grpc_port:
+        raise ValueError("health_port must differ from grpc_port")
+
+
+def _caller_auth(args: argparse.Namespace) -> list[grpc.aio.ServerInterceptor]:
+    """The interceptor that demands the internal token; none with --no-internal-auth."""
+    if args.no_internal_auth:
+        logger.warning("--no-internal-auth: ANY client that reaches port %d can read and generate from every "
+                       "tenant's cached KV; use it only for a pod nobody else can reach", args.grpc_port)
+        return []
+    secret = InternalSecret.load()
+    if secret is None:
+        raise ValueError(f"no internal secret: set {SECRET_FILE_ENV} (a file holding it) or {SECRET_ENV} "
+                         "to the deployment's internal secret (`tessera internal-secret` makes one), "
+                         "or pass --no-internal-auth for a pod nobody else can reach")
+    return [InternalAuthInterceptor(secret)]
+
+
+# SO_REUSEPORT off: gRPC sets it by default, and a second engine started on
+# a taken port would then silently share it (and half the calls).
+_SERVER_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)]
+
+
+def _listen(server: grpc.aio.Server, address: str, flag: str, tls: grpc.ServerCredentials | None) -> None:
+    try:
+        if tls is None:
+            server.add_insecure_port(address)
+        else:
+            server.add_secure_port(address, tls)
+    except RuntimeError:
+        raise ValueError(f"{flag}: cannot listen on {address}: the port is taken (another engine pod?) "
+                         "or the host is not an address of this machine") from None
 
 
 class Frontend:
     """The gRPC server and its asyncio loop, on their own thread."""
 
-    def __init__(self, service: EngineService, address: str) -> None:
+    def __init__(self, service: EngineService, address: str, interceptors: list[grpc.aio.ServerInterceptor],
+                 tls: ServerTLS | None = None, health_address: str | None = None) -> None:
         self.service = service
         self.address = address
+        self.interceptors = interceptors
+        self.tls = tls
+        # A plaintext server of health alone, beside a TLS port (kubelet probes).
+        self.health_address = health_address
+        self.health_server: grpc.aio.Server | None = None
         self.loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -106,13 +160,17 @@ class Frontend:
 
     async def _open(self) -> None:
         self.stop_requested = asyncio.Event()
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        server = grpc.aio.server(interceptors=self.interceptors, options=_SERVER_OPTIONS)
         engine_pb2_grpc.add_EngineServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if server.add_insecure_port(self.address) == 0:
-            raise ValueError(f"grpc_port: cannot listen on {self.address}")
+        _listen(server, self.address, "--grpc-port", self.tls.credentials() if self.tls else None)
+        if self.health_address is not None:
+            self.health_server = grpc.aio.server(options=_SERVER_OPTIONS)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            _listen(self.health_server, self.health_address, "--health-port", None)
+            await self.health_server.start()
         await server.start()
         self.server = server
 
@@ -129,8 +187,9 @@ class Frontend:
 
     def close(self) -> None:
         async def _close():
-            if self.server is not None:
-                await self.server.stop(grace=1.0)
+            for server in (self.server, self.health_server):
+                if server is not None:
+                    await server.stop(grace=1.0)
         if self.loop.is_running():
             self.submit(_close()).result(timeout=30)
             self.loop.call_soon_threadsafe(self.loop.stop)
@@ -174,6 +233,10 @@ async def _lifecycle(frontend: Frontend, engine: AsyncEngine, processor: Process
 
 def serve(args: argparse.Namespace) -> int:
     _validate(args)
+    interceptors = _caller_auth(args)
+    tls = ServerTLS.from_flags(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+    if tls is not None:
+        tls.credentials()  # unreadable files fail before the model loads
     config = create_engine_config(args.model, **engine_kwargs(args))
     if config.device.type == "cpu":
         threads = args.cpu_threads or cpu_share()
@@ -185,20 +248,26 @@ def serve(args: argparse.Namespace) -> int:
     metrics = EngineMetrics(model_name)
     configure_tracing("tessera-engine")
     service = EngineService(processor, metrics, args.role, args.max_waiting_requests)
-    frontend = Frontend(service, f"{args.host}:{args.grpc_port}")
+    health_address = f"{args.host}:{args.health_port}" if args.health_port else None
+    frontend = Frontend(service, f"{args.host}:{args.grpc_port}", interceptors, tls, health_address)
     frontend.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: frontend.request_stop())
     try:
         if args.metrics_port:
-            start_http_server(args.metrics_port, addr=args.host, registry=metrics.registry)
+            try:
+                start_http_server(args.metrics_port, addr=args.host, registry=metrics.registry)
+            except OSError as e:
+                raise ValueError(f"--metrics-port: cannot listen on {args.host}:{args.metrics_port}: "
+                                 f"{e.strerror or e}") from None
         core = EngineCore(config)
         if core.kv_store is not None:
             metrics.registry.register(KVStoreCollector(core.kv_store, model_name))
         metrics.registry.register(StructuredOutputCollector(core.structured_output.stats, model_name))
         engine = AsyncEngine(core, frontend.loop)
         service.attach(engine)
-        banner = (f"tessera engine ready: role={args.role} grpc={frontend.address} "
+        auth = "off" if not interceptors else "token+mtls" if tls else "token"
+        banner = (f"tessera engine ready: role={args.role} grpc={frontend.address} auth={auth} "
                   f"metrics=:{args.metrics_port} kv_blocks={core.num_blocks}")
         lifecycle = frontend.submit(
             _lifecycle(frontend, engine, processor, metrics, banner, args.drain_timeout)

@@ -1,4 +1,8 @@
-"""Start an engine pod (`tessera engine`) as a child process and wait until it serves."""
+"""Start an engine pod (`tessera engine`) as a child process and wait until it serves.
+
+Only the health service answers without credentials; callers of the engine
+itself dial with tessera/internal_channel.py. The child inherits this
+process's environment, the internal secret with it."""
 
 from __future__ import annotations
 
@@ -25,16 +29,26 @@ def health_status(address: str, timeout: float = 1.0) -> int | None:
 
 class EnginePodProcess(ChildProcess):
     def __init__(self, model: str | Path, extra_args: list[str] = (), env: dict | None = None,
-                 log_path: str | Path | None = None, grpc_port: int | None = None) -> None:
+                 log_path: str | Path | None = None, grpc_port: int | None = None,
+                 health_port: bool = False) -> None:
+        """`health_port`: health also on a plaintext port of its own (needed
+        to probe a pod whose gRPC port demands mutual TLS)."""
         # A fixed port lets a restarted pod come back at the same address.
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = free_port()
         self.address = f"127.0.0.1:{self.grpc_port}"
-        super().__init__(["engine", "--model", str(model), "--host", "127.0.0.1", "--grpc-port", str(self.grpc_port),
-                          "--metrics-port", str(self.metrics_port), *extra_args], env, log_path)
+        self.log_path = Path(log_path) if log_path else None
+        args = ["engine", "--model", str(model), "--host", "127.0.0.1", "--grpc-port", str(self.grpc_port),
+                "--metrics-port", str(self.metrics_port)]
+        self.health_address = self.address
+        if health_port:
+            port = free_port()
+            self.health_address = f"127.0.0.1:{port}"
+            args += ["--health-port", str(port)]
+        super().__init__([*args, *extra_args], env, log_path)
 
     def health(self, timeout: float = 1.0) -> int | None:
-        return health_status(self.address, timeout)
+        return health_status(self.health_address, timeout)
 
     def wait_serving(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

@@ -8,8 +8,19 @@ import urllib.request
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from tessera.internal_channel import InternalClient
 from tessera.v1 import engine_pb2 as pb
 from tessera.v1 import engine_pb2_grpc as pb_grpc
+
+
+def pod_aio_channel(address: str) -> grpc.aio.Channel:
+    """An asyncio channel to an engine pod, with the test secret's token on every call."""
+    return InternalClient.from_env().aio_channel(address)
+
+
+def pod_channel(address: str) -> grpc.Channel:
+    """A blocking channel to an engine pod, with the test secret's token on every call."""
+    return InternalClient.from_env().channel(address)
 
 
 def greedy(prompt: list[int], max_tokens: int, request_id: str = "", **params) -> pb.GenerateRequest:
@@ -29,14 +40,14 @@ async def collect(stub: pb_grpc.EngineStub, request: pb.GenerateRequest, metadat
 
 
 async def generate_all(address: str, requests: list[pb.GenerateRequest]) -> list[tuple[list[int], str]]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.EngineStub(channel)
+    async with pod_aio_channel(address) as ch:
+        stub = pb_grpc.EngineStub(ch)
         return await asyncio.gather(*(collect(stub, r) for r in requests))
 
 
 def load(address: str, block_hashes: list[bytes] = ()) -> pb.LoadReport:
-    with grpc.insecure_channel(address) as channel:
-        return pb_grpc.EngineStub(channel).GetLoad(pb.LoadRequest(block_hashes=list(block_hashes)), timeout=5)
+    with pod_channel(address) as ch:
+        return pb_grpc.EngineStub(ch).GetLoad(pb.LoadRequest(block_hashes=list(block_hashes)), timeout=5)
 
 
 def scrape_metrics(pod) -> dict[tuple[str, tuple], float]:

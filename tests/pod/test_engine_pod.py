@@ -12,9 +12,10 @@ import pytest
 
 from engine_pod import LLM, SamplingParams
 from kv_store.block_hash import hash_request_tokens
+from tessera.internal_channel import InternalClient
 from tessera.v1 import engine_pb2 as pb
 from tessera.v1 import engine_pb2_grpc as pb_grpc
-from tests.pod.client import collect, generate_all, greedy, load, scrape_metrics
+from tests.pod.client import collect, generate_all, greedy, load, pod_aio_channel, pod_channel, scrape_metrics
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def test_cancelled_stream_frees_its_blocks(pod):
     before = scrape_metrics(pod)
 
     async def run():
-        async with grpc.aio.insecure_channel(pod.address) as channel:
+        async with pod_aio_channel(pod.address) as channel:
             stub = pb_grpc.EngineStub(channel)
             call = stub.Generate(greedy(_prompts(1, seed=4, max_len=100)[0], 200, ignore_eos=True))
             received = 0
@@ -82,9 +83,56 @@ def test_cancelled_stream_frees_its_blocks(pod):
     assert scrape_metrics(pod).get(aborted, 0.0) - before.get(aborted, 0.0) == 1
 
 
-def test_abort_rpc_ends_the_stream(pod):
+def test_cancellations_log_no_error(pod):
+    """A client going away is routine: no ERROR and no traceback in the pod's
+    log, however the stream ends (a cancelled task, a deadline, a closed
+    channel), each while the pod is streaming tokens. A plain channel with
+    the token as call metadata: the interceptor of pod_aio_channel reads the
+    stream through a task of its own, and its cancel reaches the pod at
+    another point."""
+    start = pod.log_path.stat().st_size
+    metadata = InternalClient.from_env().secret.metadata()
+
+    async def consume(stub, **kwargs):
+        async for _ in stub.Generate(greedy([11] * 30, 200, ignore_eos=True), metadata=metadata, **kwargs):
+            pass
+
+    async def until_running(n: int):
+        deadline = time.monotonic() + 10.0
+        while load(pod.address).num_running != n:
+            assert time.monotonic() < deadline, f"num_running never reached {n}"
+            await asyncio.sleep(0.02)
+
     async def run():
         async with grpc.aio.insecure_channel(pod.address) as channel:
+            stub = pb_grpc.EngineStub(channel)
+            task = asyncio.create_task(consume(stub))
+            await until_running(1)
+            await asyncio.sleep(0.1)  # tokens are flowing
+            task.cancel()
+            await until_running(0)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await consume(stub, timeout=0.5)
+            await until_running(0)
+        channel = grpc.aio.insecure_channel(pod.address)
+        task = asyncio.create_task(consume(pb_grpc.EngineStub(channel)))
+        await until_running(1)
+        await asyncio.sleep(0.1)
+        await channel.close()
+        await asyncio.gather(task, return_exceptions=True)
+        await until_running(0)
+
+    asyncio.run(run())
+    time.sleep(0.5)  # a closed stream's generator is finalized after the abort
+    with open(pod.log_path) as f:
+        f.seek(start)
+        log = f.read()
+    assert "ERROR" not in log and "Traceback" not in log, log
+
+
+def test_abort_rpc_ends_the_stream(pod):
+    async def run():
+        async with pod_aio_channel(pod.address) as channel:
             stub = pb_grpc.EngineStub(channel)
             call = stub.Generate(greedy([7] * 20, 200, request_id="to-abort", ignore_eos=True))
             first = await call.read()
@@ -119,7 +167,7 @@ BAD_REQUESTS = {
 
 @pytest.mark.parametrize("field", sorted(BAD_REQUESTS))
 def test_bad_input_is_invalid_argument_naming_the_field(pod, field):
-    with grpc.insecure_channel(pod.address) as channel:
+    with pod_channel(pod.address) as channel:
         stub = pb_grpc.EngineStub(channel)
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(BAD_REQUESTS[field], timeout=10))
@@ -133,7 +181,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(pod, field):
 def test_kv_transfer_without_a_store_is_failed_precondition(pod):
     request = greedy([5, 6], 2)
     request.kv_transfer.mode = pb.KVTransferParams.MODE_CONSUME
-    with grpc.insecure_channel(pod.address) as channel:
+    with pod_channel(pod.address) as channel:
         with pytest.raises(grpc.RpcError) as info:
             list(pb_grpc.EngineStub(channel).Generate(request, timeout=10))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -141,7 +189,7 @@ def test_kv_transfer_without_a_store_is_failed_precondition(pod):
 
 def test_duplicate_request_id_in_flight(pod):
     async def run():
-        async with grpc.aio.insecure_channel(pod.address) as channel:
+        async with pod_aio_channel(pod.address) as channel:
             stub = pb_grpc.EngineStub(channel)
             call = stub.Generate(greedy([9] * 10, 100, request_id="dup", ignore_eos=True))
             await call.read()
@@ -167,7 +215,7 @@ def test_load_reports_prefix_residency(pod):
 
 def test_stream_load_pushes_reports(pod):
     async def run():
-        async with grpc.aio.insecure_channel(pod.address) as channel:
+        async with pod_aio_channel(pod.address) as channel:
             call = pb_grpc.EngineStub(channel).StreamLoad(pb.LoadRequest(interval_ms=50))
             reports = []
             async for report in call:
@@ -182,7 +230,7 @@ def test_stream_load_pushes_reports(pod):
 
 
 def test_stream_load_rejects_a_negative_interval(pod):
-    with grpc.insecure_channel(pod.address) as channel:
+    with pod_channel(pod.address) as channel:
         with pytest.raises(grpc.RpcError) as info:
             next(iter(pb_grpc.EngineStub(channel).StreamLoad(pb.LoadRequest(interval_ms=-5), timeout=5)))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

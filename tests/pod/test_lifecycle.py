@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2
 
 from engine_pod.server.process import EnginePodProcess
 from tessera.v1 import engine_pb2_grpc as pb_grpc
-from tests.pod.client import collect, greedy, load
+from tests.pod.client import collect, greedy, load, pod_aio_channel
 from tests.pod.conftest import POD_ARGS
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -37,7 +37,7 @@ def test_sigterm_drains_in_flight_and_rejects_new(tiny_llama, tmp_path):
     pod.wait_serving()
 
     async def run():
-        async with grpc.aio.insecure_channel(pod.address) as channel:
+        async with pod_aio_channel(pod.address) as channel:
             stub = pb_grpc.EngineStub(channel)
             calls = [stub.Generate(greedy([5 + i] * 30, 120, ignore_eos=True)) for i in range(3)]
             firsts = [await c.read() for c in calls]
@@ -68,7 +68,7 @@ def test_queue_bound_answers_resource_exhausted(tiny_llama, tmp_path):
         pod.wait_serving()
 
         async def run():
-            async with grpc.aio.insecure_channel(pod.address) as channel:
+            async with pod_aio_channel(pod.address) as channel:
                 stub = pb_grpc.EngineStub(channel)
                 running = stub.Generate(greedy([5] * 10, 200, ignore_eos=True))
                 await running.read()

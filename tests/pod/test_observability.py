@@ -9,7 +9,7 @@ import pytest
 
 from engine_pod.server.process import EnginePodProcess
 from tests.otlp import otlp_collector, otlp_env  # noqa: F401 (fixture)
-from tests.pod.client import generate_all, greedy, scrape_metrics
+from tests.pod.client import generate_all, greedy, pod_aio_channel, scrape_metrics
 from tests.pod.conftest import POD_ARGS
 
 
@@ -44,7 +44,7 @@ def test_request_span_is_a_child_of_the_callers_trace(tiny_llama, tmp_path, otlp
         pod.wait_serving()
 
         async def run():
-            async with grpc.aio.insecure_channel(pod.address) as channel:
+            async with pod_aio_channel(pod.address) as channel:
                 from tessera.v1 import engine_pb2_grpc as pb_grpc
                 from tests.pod.client import collect
 
