@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from gateway.pods.deadline import ProgressDeadline
+from tessera.internal_channel import InternalClient
 from tessera.v1 import engine_pb2 as epb
 from tessera.v1 import engine_pb2_grpc as epb_grpc
 
@@ -25,6 +27,9 @@ _CHANNEL_OPTIONS = [
 class Pod:
     address: str
     role: str
+    # The internal token (and TLS) every call on the channel carries; None
+    # only in unit tests that never dial (a pod refuses such calls).
+    client: InternalClient | None = field(default=None, repr=False)
     channel: grpc.aio.Channel = field(init=False, repr=False)
     stub: epb_grpc.EngineStub = field(init=False, repr=False)
     # The last load report (None until the first one arrives).
@@ -33,13 +38,15 @@ class Pod:
     # Requests this gateway sent since the last report: the report cannot
     # count them yet, the score must.
     dispatched_since_report: int = 0
-    # Requests of this gateway running on the pod now.
-    in_flight: int = 0
+    # Progress deadlines of this gateway's Generate calls running on the pod
+    # now (gateway/pods/deadline.py): the pool expires them if the pod stalls.
+    calls: set[ProgressDeadline] = field(default_factory=set, repr=False)
     # False while ejected (connection lost, failed calls) until a report arrives.
     healthy: bool = False
 
     def __post_init__(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+        self.channel = (self.client.aio_channel(self.address, _CHANNEL_OPTIONS) if self.client is not None
+                        else grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS))
         self.stub = epb_grpc.EngineStub(self.channel)
 
     @property

@@ -2,8 +2,11 @@
 
 Each pod streams `LoadReport`s (Engine.StreamLoad); a broken stream or a
 failed call ejects the pod, and the watcher reconnects every
-`reprobe_interval_s` until a report arrives again. Membership changes come
-from discovery (a static list or EndpointSlices).
+`reprobe_interval_s` until a report arrives again. A pod silent for
+`load_timeout_s` is stalled (a stopped process keeps its connection open):
+it is ejected and its in-flight Generate calls end too, retried elsewhere if
+they streamed nothing yet. Membership changes come from discovery (a static
+list or EndpointSlices).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from collections.abc import Callable
 import grpc
 
 from gateway.config import AdmissionConfig, RouterConfig
+from gateway.pods.deadline import NoProgress, ProgressDeadline
 from gateway.pods.pod import Pod
+from tessera.internal_channel import InternalClient
 from tessera.v1 import engine_pb2 as epb
 
 logger = logging.getLogger(__name__)
@@ -23,8 +28,10 @@ logger = logging.getLogger(__name__)
 
 class PodPool:
     def __init__(self, router_config: RouterConfig, admission_config: AdmissionConfig,
-                 on_change: Callable[[], None] = lambda: None) -> None:
+                 on_change: Callable[[], None] = lambda: None, client: InternalClient | None = None) -> None:
         self.router_config = router_config
+        # The credentials every pod's channel presents (tessera/internal_channel.py).
+        self.client = client
         self.admission_config = admission_config
         # Called after every report or ejection (admission re-reads capacity).
         self.on_change = on_change
@@ -40,7 +47,7 @@ class PodPool:
                 self._remove(address)
         for address in addresses:
             if address not in self.pods:
-                pod = Pod(address, role)
+                pod = Pod(address, role, self.client)
                 self.pods[address] = pod
                 self._watchers[address] = asyncio.get_running_loop().create_task(self._watch(pod))
                 logger.info("pool: added %s pod %s", role, address)
@@ -79,29 +86,59 @@ class PodPool:
         return sum(p.free_slots(a.max_waiting_per_pod, a.max_kv_usage) for p in entry)
 
     def eject(self, pod: Pod, reason: str) -> None:
+        """Stop routing to the pod. Its in-flight calls go on: a pod that
+        refuses new work (draining) still finishes what it has."""
         if pod.healthy:
             logger.warning("pool: ejecting %s pod %s: %s", pod.role, pod.address, reason)
         pod.eject()
         self.on_change()
 
+    def stall(self, pod: Pod, reason: str) -> None:
+        """Eject a pod that stopped answering, and end its in-flight calls:
+        they would wait as long as the pod stays frozen."""
+        if pod.calls:
+            logger.warning("pool: %s pod %s stalled; ending its %d in-flight call(s)",
+                           pod.role, pod.address, len(pod.calls))
+        self.eject(pod, reason)
+        for deadline in list(pod.calls):
+            deadline.expire(f"engine pod stalled: {reason}")
+
     # -- load reports ----------------------------------------------------
     async def _watch(self, pod: Pod) -> None:
         interval = self.router_config.load_interval_ms
+        refused = False
         while True:
+            call = None
             try:
                 call = pod.stub.StreamLoad(epb.LoadRequest(interval_ms=interval))
-                async for report in call:
-                    was_routable = pod.routable
-                    pod.on_report(report)
-                    if not was_routable and pod.routable:
-                        logger.info("pool: %s pod %s is serving", pod.role, pod.address)
-                    self.on_change()
+                await self._read_reports(pod, call)
             except asyncio.CancelledError:
                 raise
+            except NoProgress as e:
+                self.stall(pod, str(e))
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED and not refused:
+                    # Never routable until fixed: say so once, loudly (eject logs only a healthy pod).
+                    logger.error("pool: %s pod %s refuses this gateway's internal token: the gateway and "
+                                 "the engine pods must share one internal secret", pod.role, pod.address)
+                refused = e.code() == grpc.StatusCode.UNAUTHENTICATED
                 self.eject(pod, f"load stream: {e.code().name}")
             except Exception as e:  # never let one pod's watcher die
                 self.eject(pod, f"load stream: {e!r}")
             else:
                 self.eject(pod, "load stream ended")
+            finally:
+                if call is not None:
+                    call.cancel()  # a stalled stream would otherwise linger
             await asyncio.sleep(self.router_config.reprobe_interval_s)
+
+    async def _read_reports(self, pod: Pod, call) -> None:
+        """Apply the pod's reports until its stream ends; NoProgress if one
+        is `load_timeout_s` late."""
+        deadline = ProgressDeadline(self.router_config.load_timeout_s, "load report")
+        while (report := await deadline.read(call)) is not grpc.aio.EOF:
+            was_routable = pod.routable
+            pod.on_report(report)
+            if not was_routable and pod.routable:
+                logger.info("pool: %s pod %s is serving", pod.role, pod.address)
+            self.on_change()
