@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from tessera.internal_channel import InternalTLS
 from tessera.roles import POD_ROLES
 
 # "score": KV-aware scoring (gateway/router.py); "round_robin": a baseline
@@ -38,9 +39,21 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
+    # Every listener binds this address.
     host: str = "0.0.0.0"
+    # The public REST API (OpenAI-compatible) and gRPC tessera.v1.Inference.
     http_port: int = 8000
     grpc_port: int = 50051
+    # Prometheus /metrics, on a port of its own so the public ports never
+    # expose them (they name every tenant); 0: not served.
+    metrics_port: int = 9090
+
+    def __post_init__(self) -> None:
+        for name in ("http_port", "grpc_port", "metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise GatewayConfigError(f"server.{name} must be in [0, 65535]")
+        if self.metrics_port and self.metrics_port in (self.http_port, self.grpc_port):
+            raise GatewayConfigError("server.metrics_port must differ from server.http_port and server.grpc_port")
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,17 @@ class RouterConfig:
     prefix_query_timeout_ms: int = 50
     # Seconds between reconnect attempts to an ejected pod.
     reprobe_interval_s: float = 1.0
+    # Seconds without a load report before a pod counts as stalled (a stopped
+    # process keeps its connection open, so nothing fails by itself): it is
+    # ejected and its in-flight calls end. 25 reports at the default interval:
+    # a busy but live pod never misses that many (its reports come from the
+    # event loop, apart from the engine thread), and a false stall would fail
+    # every stream on the pod, far worse than a frozen pod's 5 s.
+    load_timeout_s: float = 5.0
+    # Seconds one engine call may go without a response before it ends
+    # (retried elsewhere if nothing was streamed yet): a backstop behind the
+    # load reports. Generous, since a long prefill on CPU says nothing until done.
+    stream_idle_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +134,19 @@ class PriorityClassConfig:
 
 
 @dataclass(frozen=True)
+class InternalConfig:
+    """How the gateway authenticates itself to engine pods."""
+
+    # A file holding the deployment's internal secret (a mounted Secret).
+    # None: TESSERA_INTERNAL_SECRET_FILE, else TESSERA_INTERNAL_SECRET.
+    # The gateway refuses to start without one.
+    secret_file: str | None = None
+    # Mutual TLS to the pods (ca_file, cert_file, key_file, server_name);
+    # None: plaintext, the bearer token alone authenticates.
+    tls: InternalTLS | None = None
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     model: ModelConfig
     server: ServerConfig = ServerConfig()
@@ -121,6 +158,7 @@ class GatewayConfig:
     admission: AdmissionConfig = AdmissionConfig()
     router: RouterConfig = RouterConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
+    internal: InternalConfig = InternalConfig()
 
     def __post_init__(self) -> None:
         _check(self.model.block_size > 0, "model.block_size must be > 0")
@@ -144,7 +182,13 @@ class GatewayConfig:
         _check(min(w.prefix, w.waiting, w.running, w.kv_usage) >= 0, "router.weights must be >= 0")
         _check(self.router.running_norm >= 1, "router.running_norm must be >= 1")
         _check(self.router.load_interval_ms >= 10, "router.load_interval_ms must be >= 10")
+        # A report may come one interval late without the pod being stalled.
+        _check(self.router.load_timeout_s >= 2 * self.router.load_interval_ms / 1000,
+               "router.load_timeout_s must be >= 2 x router.load_interval_ms")
+        _check(self.router.stream_idle_timeout_s > 0, "router.stream_idle_timeout_s must be > 0")
+        _check(self.router.reprobe_interval_s > 0, "router.reprobe_interval_s must be > 0")
         _check(self.disaggregation.min_uncached_tokens >= 0, "disaggregation.min_uncached_tokens must be >= 0")
+        _check(isinstance(self.internal, InternalConfig), "internal: expected a mapping (secret_file, tls)")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -174,7 +218,7 @@ def _build(cls, data: Any, where: str):
 _NESTED = {
     "ModelConfig": ModelConfig, "ServerConfig": ServerConfig, "PodsConfig": PodsConfig,
     "AdmissionConfig": AdmissionConfig, "RouterConfig": RouterConfig, "RouterWeights": RouterWeights,
-    "DisaggregationConfig": DisaggregationConfig,
+    "DisaggregationConfig": DisaggregationConfig, "InternalConfig": InternalConfig, "InternalTLS": InternalTLS,
 }
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 
 from gateway.errors import GatewayError, StreamBroken, bad_request, unavailable
 from gateway.pods import Pod, PodPool
+from gateway.pods.deadline import NoProgress, ProgressDeadline
 from tessera.tracing import inject_metadata, tracer
 from tessera.v1 import engine_pb2 as epb
 
@@ -28,20 +29,38 @@ def _engine_error(e: grpc.aio.AioRpcError) -> GatewayError:
     return unavailable(f"engine pod failed: {e.code().name}: {e.details()}", "engine_unavailable")
 
 
+def _still_routable(candidates: list[Pod]) -> Iterator[Pod]:
+    """Up to MAX_ATTEMPTS candidates, each checked when its turn comes: one
+    ejected since the plan was made (a retry after a stall, a decode after
+    its prefill) is skipped, since a stalled pod would not answer."""
+    tried = 0
+    for pod in candidates:
+        if tried == MAX_ATTEMPTS:
+            return
+        if pod.routable:
+            tried += 1
+            yield pod
+
+
 async def stream_choice(
     pool: PodPool, candidates: list[Pod], request: epb.GenerateRequest, metadata: list[tuple[str, str]],
     on_attempt: Callable[[Pod, int], None],
 ) -> AsyncIterator[epb.GenerateResponse]:
     """Responses of one engine request. A pod that fails before its first
     response is ejected and the request goes to the next candidate (once);
-    after the first response a failure raises StreamBroken. Cancelling the
-    consumer cancels the call, which aborts the request on the pod."""
+    after the first response a failure raises StreamBroken. Each response
+    must come within `router.stream_idle_timeout_s`, and the pool ends the
+    call at once if the pod stalls (gateway/pods/deadline.py): the same
+    failure, retried or StreamBroken. Cancelling the consumer cancels the
+    call, which aborts the request on the pod."""
     last_error: GatewayError | None = None
-    for attempt, pod in enumerate(candidates[:MAX_ATTEMPTS]):
+    tries = min(MAX_ATTEMPTS, len(candidates))
+    for attempt, pod in enumerate(_still_routable(candidates)):
         on_attempt(pod, attempt)
         started = False
         call = span = None
-        pod.in_flight += 1
+        deadline = ProgressDeadline(pool.router_config.stream_idle_timeout_s, "response from the engine pod")
+        pod.calls.add(deadline)
         try:
             # Not made current: an async generator may be closed from another
             # task, where the context it attached could not be detached.
@@ -49,12 +68,18 @@ async def stream_choice(
             span.set_attribute("tessera.pod", pod.address)
             span.set_attribute("tessera.attempt", attempt)
             call = pod.stub.Generate(request, metadata=inject_metadata(list(metadata), span))
-            async for response in call:
+            while (response := await deadline.read(call)) is not grpc.aio.EOF:
                 started = True
                 yield response
                 if response.finish_reason:
                     return
             raise StreamBroken("engine stream ended without a finish reason")
+        except NoProgress as e:
+            last_error = unavailable(str(e), "engine_stalled")
+            if started:
+                raise StreamBroken(last_error.message) from None
+            logger.warning("request %s: %s made no progress before its first token (%s); %s", request.request_id,
+                           pod.address, e, "retrying" if attempt + 1 < tries else "giving up")
         except grpc.aio.AioRpcError as e:
             last_error = _engine_error(e)
             if e.code() in _CLIENT_ERRORS:
@@ -64,9 +89,9 @@ async def stream_choice(
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
                 pool.eject(pod, f"generate: {e.code().name}")
             logger.warning("request %s: %s failed before its first token (%s); %s", request.request_id,
-                           pod.address, e.code().name, "retrying" if attempt + 1 < len(candidates) else "giving up")
+                           pod.address, e.code().name, "retrying" if attempt + 1 < tries else "giving up")
         finally:
-            pod.in_flight -= 1
+            pod.calls.discard(deadline)
             # The consumer may stop early (a stop string, a disconnect): the
             # cancelled call aborts the request on the pod, freeing its KV.
             if call is not None and not call.done():

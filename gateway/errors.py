@@ -7,9 +7,13 @@ unexpected exception becomes a 500 / INTERNAL with no internals leaked.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from math import ceil
 
 import grpc
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,6 +32,13 @@ class GatewayError(Exception):
 
     def to_openai(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @property
+    def retry_after_s(self) -> int | None:
+        """Whole seconds for REST's Retry-After and gRPC's `retry-after`:
+        rounded up (at least 1), so a client that waits that long is not
+        refused again for the same limit."""
+        return None if self.retry_after is None else max(1, ceil(self.retry_after))
 
 
 def bad_request(message: str, code: str | None = None, param: str | None = None) -> GatewayError:
@@ -58,5 +69,29 @@ def internal(message: str = "internal error") -> GatewayError:
     return GatewayError(500, grpc.StatusCode.INTERNAL, "internal_error", message, "internal_error")
 
 
+def http_error(status: int, message: str) -> GatewayError:
+    """REST only: a route or method the API does not have (404, 405), a body
+    that could not be read (400)."""
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    return GatewayError(status, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error", message,
+                        codes.get(status, "invalid_request"))
+
+
 class StreamBroken(Exception):
     """The engine failed after tokens were already sent: the stream ends with this."""
+
+
+def client_error(e: BaseException, when: str) -> GatewayError:
+    """What the client is told when a request fails `when` ("mid-stream",
+    "mid-request"): a GatewayError as is, a broken engine stream as 503, and
+    anything else (a bug) as 500 without internals. Only the last is logged
+    here: the pipeline logs the failures it turns into GatewayErrors itself,
+    so each failure is logged once."""
+    if isinstance(e, GatewayError):
+        return e
+    if isinstance(e, StreamBroken):
+        # Mid-stream the answer is an error event (or a status after chunks): no Retry-After to give.
+        retry_after = None if when == "mid-stream" else 1.0
+        return unavailable(f"the engine pod failed {when}: {e}", "engine_failed", retry_after)
+    logger.error("request failed %s", when, exc_info=e)
+    return internal(f"internal error: {type(e).__name__}")

@@ -1,13 +1,20 @@
-"""The public gRPC service tessera.v1.Inference over the serving pipeline."""
+"""The public gRPC service tessera.v1.Inference over the serving pipeline.
+
+Every call ends with a status: the key is checked before the message, a
+refusal aborts with its code (and `retry-after` trailing metadata), and a
+failure mid-call (the engine, or a bug) aborts with UNAVAILABLE or INTERNAL.
+"""
 
 from __future__ import annotations
 
 import uuid
 
+import grpc
+from google.protobuf.message import DecodeError
 from opentelemetry.trace import SpanKind
 
 from engine_pod.structured_output.wire import params_from_proto
-from gateway.errors import GatewayError, StreamBroken, bad_request, unavailable
+from gateway.errors import GatewayError, bad_request, client_error
 from gateway.request import ChoiceUpdate, GenerationRequest, SamplingOptions, Usage
 from gateway.serving import Gateway, ResponseStream
 from gateway.structured_output import checked
@@ -16,6 +23,45 @@ from tessera.v1 import inference_pb2 as pb
 from tessera.v1 import inference_pb2_grpc as pb_grpc
 
 _tracer = tracer("tessera.gateway")
+SERVICE = pb.DESCRIPTOR.services_by_name["Inference"]
+
+
+class Undecodable:
+    """What a method receives for bytes that are not its request message."""
+
+    def __init__(self, type_name: str, error: str) -> None:
+        self.type_name = type_name
+        self.error = error
+
+
+def _parser(message_class):
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as e:
+            return Undecodable(message_class.DESCRIPTOR.full_name, str(e))
+    return parse
+
+
+def add_to_server(service: "InferenceService", server) -> None:
+    """tessera.v1.Inference on `server`, registered as the generated
+    add_InferenceServicer_to_server does, except that bytes which are not the
+    method's message reach the method (INVALID_ARGUMENT, after the key) rather
+    than grpc's own UNKNOWN."""
+    handlers = {}
+    for method in SERVICE.methods:
+        request, response = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(getattr(service, method.name), request_deserializer=_parser(request),
+                                     response_serializer=response.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)
+
+
+def _decoded(msg):
+    if isinstance(msg, Undecodable):
+        raise bad_request(f"the message is not a {msg.type_name}: {msg.error}", "invalid_message")
+    return msg
 
 
 def _options(p: pb.GenerationParams) -> SamplingOptions:
@@ -87,8 +133,9 @@ def _authorization(context) -> str | None:
 
 
 async def _abort(context, e: GatewayError):
+    """End the call with the error's code (raises, as context.abort does)."""
     if e.retry_after is not None:
-        context.set_trailing_metadata((("retry-after", str(int(max(1, e.retry_after)))),))
+        context.set_trailing_metadata((("retry-after", str(e.retry_after_s)),))
     await context.abort(e.grpc_code, e.message)
 
 
@@ -97,21 +144,27 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.gateway = gateway
 
     async def _open(self, build, msg, context, endpoint: str) -> ResponseStream:
+        """The request's stream, or the call aborted. The key is checked
+        before the message is (401 before 400, as on REST)."""
         try:
-            return await self.gateway.open_stream(build(msg), _authorization(context), endpoint)
-        except GatewayError as e:
-            await _abort(context, e)
+            tenant = self.gateway.authenticate(_authorization(context))
+            return await self.gateway.open_stream(build(_decoded(msg)), tenant, endpoint)
+        except Exception as e:  # not the abort below: it is raised outside this `try`
+            error = client_error(e, "before the first token")
+        await _abort(context, error)
 
     async def _stream(self, build, msg, context, endpoint: str):
         with _tracer.start_as_current_span(f"Inference/{endpoint}", kind=SpanKind.SERVER,
                                            context=parent_context(context.invocation_metadata())):
             stream = await self._open(build, msg, context, endpoint)
+            error = None
             try:
                 async for update in stream:
                     yield pb.CompletionChunk(id=stream.id, model=msg.model, choices=[_delta(update)])
-            except (StreamBroken, GatewayError) as e:
-                await _abort(context, e if isinstance(e, GatewayError) else
-                             unavailable(f"the engine pod failed mid-stream: {e}", "engine_failed", None))
+            except Exception as e:
+                error = client_error(e, "mid-stream")
+            if error is not None:
+                await _abort(context, error)
             yield pb.CompletionChunk(id=stream.id, model=msg.model, usage=_usage(stream.usage))
 
     async def _unary(self, build, msg, context, endpoint: str) -> pb.CompletionResult:
@@ -120,10 +173,12 @@ class InferenceService(pb_grpc.InferenceServicer):
             stream = await self._open(build, msg, context, endpoint)
             try:
                 choices = await stream.collect()
-            except StreamBroken as e:
-                await _abort(context, unavailable(f"the engine pod failed mid-request: {e}", "engine_failed"))
-            except GatewayError as e:
-                await _abort(context, e)
+            except Exception as e:
+                error = client_error(e, "mid-request")
+            else:
+                error = None
+            if error is not None:
+                await _abort(context, error)
             return pb.CompletionResult(
                 id=stream.id, model=msg.model, created=stream.created, usage=_usage(stream.usage),
                 choices=[pb.Choice(index=c.index, text=c.text, token_ids=c.token_ids,
@@ -150,6 +205,7 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def ListModels(self, request, context):
         try:
             self.gateway.authenticate(_authorization(context))
+            _decoded(request)
         except GatewayError as e:
             await _abort(context, e)
         m = self.gateway.model

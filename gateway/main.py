@@ -20,15 +20,19 @@ import uvicorn
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
 
-from gateway.config import GatewayConfig, load_gateway_config
+from gateway.config import GatewayConfig, GatewayConfigError, InternalConfig, load_gateway_config
 from gateway.grpc_service import InferenceService
+from gateway.grpc_service import add_to_server as add_inference_service
 from gateway.model import ServedModel
 from gateway.openai_api.server import build_app
 from gateway.pods.discovery import EndpointSliceWatcher, static_members
 from gateway.priority import PriorityClasses
 from gateway.serving import Gateway
 from gateway.tenants import TenantRegistry
+from tessera.internal_channel import InternalClient
+from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, InternalSecret
 from tessera.tracing import configure_tracing
 from tessera.v1 import inference_pb2
 
@@ -42,6 +46,7 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default=None, help="override server.host")
     p.add_argument("--http-port", type=int, default=None, help="override server.http_port")
     p.add_argument("--grpc-port", type=int, default=None, help="override server.grpc_port")
+    p.add_argument("--metrics-port", type=int, default=None, help="override server.metrics_port (0: none)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.set_defaults(func=run)
 
@@ -67,7 +72,8 @@ def _new_api_key(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     config = load_gateway_config(args.config)
     overrides = {k: v for k, v in (("host", args.host), ("http_port", args.http_port),
-                                    ("grpc_port", args.grpc_port)) if v is not None}
+                                    ("grpc_port", args.grpc_port), ("metrics_port", args.metrics_port))
+                 if v is not None}
     if overrides:
         config = dataclasses.replace(config, server=dataclasses.replace(config.server, **overrides))
     configure_tracing("tessera-gateway")
@@ -75,15 +81,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def internal_client(config: InternalConfig) -> InternalClient:
+    """The credentials the gateway presents to engine pods. No secret, no
+    gateway: the pods would refuse every call."""
+    secret = InternalSecret.load(config.secret_file)
+    if secret is None:
+        raise GatewayConfigError(
+            f"no internal secret: engine pods accept only callers holding the deployment's internal secret; "
+            f"set internal.secret_file, {SECRET_FILE_ENV} (a file holding it) or {SECRET_ENV}")
+    try:
+        return InternalClient(secret, config.tls)
+    except ValueError as e:
+        raise GatewayConfigError(f"internal.tls.{e}") from None
+
+
 def build_gateway(config: GatewayConfig) -> Gateway:
+    internal = internal_client(config.internal)
     model = ServedModel.load(config.model)
-    tenants = TenantRegistry.load(config.tenants_file) if config.tenants_file else TenantRegistry.open_access()
+    tenants = (TenantRegistry.load(config.tenants_file, internal.secret) if config.tenants_file
+               else TenantRegistry.open_access(internal.secret))
     items = [dataclasses.asdict(c) for c in config.priority_classes] if config.priority_classes else None
     classes = PriorityClasses.from_config(items, config.default_priority_class)
     classes.validate_tenants(tenants.tenants)
     if not config.tenants_file:
         logger.warning("no tenants_file: every request is served without an API key (open access)")
-    return Gateway(config, model, tenants, classes)
+    return Gateway(config, model, tenants, classes, internal=internal)
 
 
 async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
@@ -93,6 +115,7 @@ async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
     # pause requests for tens of milliseconds.
     gc.collect()
     gc.freeze()
+    metrics_server = _serve_metrics(config, gateway)
     for role, addresses in static_members(config.pods).items():
         gateway.pool.set_members(role, addresses)
     watcher = None
@@ -102,9 +125,7 @@ async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
 
     grpc_server = grpc.aio.server()
     health_servicer = health.aio.HealthServicer()
-    from tessera.v1 import inference_pb2_grpc
-
-    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceService(gateway), grpc_server)
+    add_inference_service(InferenceService(gateway), grpc_server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server)
     address = f"{config.server.host}:{config.server.grpc_port}"
@@ -132,6 +153,19 @@ async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
         if watcher is not None:
             watcher.stop()
         await gateway.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+
+
+def _serve_metrics(config: GatewayConfig, gateway: Gateway):
+    """Prometheus /metrics on server.metrics_port (a thread of its own), never
+    on the public REST port: they name every tenant. None when disabled."""
+    port = config.server.metrics_port
+    if not port:
+        return None
+    server, _ = start_http_server(port, addr=config.server.host, registry=gateway.metrics.registry)
+    logger.info("gateway: metrics on %s:%d/metrics", config.server.host, port)
+    return server
 
 
 class _HttpServer(uvicorn.Server):

@@ -27,8 +27,9 @@ class PriorityClass:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError("priority class: name must be a non-empty string")
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            raise ValueError(f"priority class {self.name!r}: priority must be an integer")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) \
+                or not -(2**31) <= self.priority < 2**31:  # the engine request's int32
+            raise ValueError(f"priority class {self.name!r}: priority must be an integer in [-2**31, 2**31)")
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \
                 or not math.isfinite(self.weight) or self.weight <= 0:
             raise ValueError(f"priority class {self.name!r}: weight must be a finite number > 0")

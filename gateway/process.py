@@ -26,15 +26,20 @@ def gateway_health(base_url: str) -> dict | None:
 class GatewayProcess(ChildProcess):
     def __init__(self, config: dict, workdir: str | Path, env: dict | None = None,
                  log_path: str | Path | None = None) -> None:
-        """`config` is the gateway YAML as a dict; `server` ports are chosen here."""
+        """`config` is the gateway YAML as a dict; `server` ports are chosen
+        here (`server.metrics_port: 0` in `config` keeps metrics off)."""
         self.http_port = free_port()
         self.grpc_port = free_port()
+        metrics_off = (config.get("server") or {}).get("metrics_port") == 0
+        self.metrics_port = 0 if metrics_off else free_port()
         config = {**config, "server": {"host": "127.0.0.1", "http_port": self.http_port,
-                                       "grpc_port": self.grpc_port}}
+                                       "grpc_port": self.grpc_port, "metrics_port": self.metrics_port}}
         self.config_path = Path(workdir) / "gateway.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.base_url = f"http://127.0.0.1:{self.http_port}"
         self.grpc_address = f"127.0.0.1:{self.grpc_port}"
+        # Prometheus text of the gateway (its own port, not the public one); None when off.
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port else None
         super().__init__(["gateway", "--config", str(self.config_path), "--drain-timeout", "5"], env, log_path)
 
     def health(self) -> dict | None:

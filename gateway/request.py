@@ -11,6 +11,21 @@ from tessera.v1 import engine_pb2 as epb
 
 MAX_LOGPROBS = 20
 MAX_N = 16
+MAX_STOP = 16
+MAX_STOP_TOKEN_IDS = 64
+# The wire's integer widths (engine.proto / inference.proto): every integer
+# a client sends is checked against these at the edge, so no conversion to a
+# proto message can overflow inside a request's task.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of the index-th of n choices: `seed + index` wrapped to a
+    signed 64-bit integer, so every int64 seed is valid with any n. torch
+    reduces seeds modulo 2**64, so a wrapped seed draws exactly what the
+    offline LLM's unwrapped `seed + index` draws."""
+    return (seed + index - INT64_MIN) % 2**64 + INT64_MIN
 
 
 @dataclass
@@ -39,21 +54,24 @@ class SamplingOptions:
     def validate(self) -> None:
         """ValueError naming the field (the front ends check types, this checks ranges)."""
         checks = [
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.max_tokens is None or 1 <= self.max_tokens <= INT32_MAX, "max_tokens",
+             f"must be in [1, {INT32_MAX}]"),
             (0.0 <= self.temperature <= 2.0, "temperature", "must be in [0, 2]"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
-            (self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive number"),
+            (-1 <= self.top_k <= INT32_MAX, "top_k", "must be -1, 0 (off) or a positive number"),
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]"),
             (1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]"),
-            (len(self.stop) <= 16 and all(self.stop), "stop", "at most 16 non-empty strings"),
-            (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
+            (len(self.stop) <= MAX_STOP and all(self.stop), "stop", f"at most {MAX_STOP} non-empty strings"),
+            (0 <= self.min_tokens <= INT32_MAX, "min_tokens", f"must be in [0, {INT32_MAX}]"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]"),
-            (self.seed is None or -(2**63) <= self.seed < 2**63, "seed", "must fit in 64 bits"),
-            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0"),
+            (self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed",
+             f"must be in [{INT64_MIN}, {INT64_MAX}]"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids"),
+            (all(0 <= t <= INT32_MAX for t in self.stop_token_ids), "stop_token_ids", "must be token ids (>= 0)"),
         ]
         for ok, name, rule in checks:
             if not ok:
@@ -62,7 +80,7 @@ class SamplingOptions:
     def to_engine(self, max_tokens: int, child_index: int) -> epb.SamplingParams:
         # Each of n samples gets its own seed, so seeded samples differ yet
         # stay reproducible (the offline LLM does the same).
-        seed = None if self.seed is None else self.seed + child_index
+        seed = None if self.seed is None else child_seed(self.seed, child_index)
         params = epb.SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,

@@ -2,9 +2,12 @@
 route -> (prefill on a prefill pod) -> generate on an engine pod -> stream
 choices back.
 
-`Gateway.open_stream` runs every step that can refuse the request and waits
-for the first engine output, so the front ends answer a refusal with its
-proper status (401, 400, 404, 429, 503) before any byte of a stream is sent.
+The front ends call `Gateway.authenticate` before they read the body (401
+before 400); `Gateway.open_stream` runs every other step that can refuse the
+request and waits for the first engine output, so the front ends answer a
+refusal with its proper status (400, 404, 429, 503) before any byte of a
+stream is sent. Whatever fails after that ends the request with an error
+too: no choice's task dies unseen (`ResponseStream._pump`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from gateway.errors import (
     GatewayError,
     StreamBroken,
     bad_request,
+    client_error,
     internal,
     model_not_found,
     rate_limited,
@@ -33,10 +37,11 @@ from gateway.metrics import GatewayMetrics
 from gateway.model import PromptError, ServedModel
 from gateway.pods import Pod, PodPool
 from gateway.priority import PriorityClass, PriorityClasses, PriorityClassError
-from gateway.request import ChoiceUpdate, GenerationRequest, Usage
+from gateway.request import ChoiceUpdate, GenerationRequest, SamplingOptions, Usage
 from gateway.router import Router, ScoredPod
 from gateway.tenants import AuthError, Tenant, TenantRegistry
 from kv_store.block_hash import hash_request_tokens
+from tessera.internal_channel import InternalClient
 from tessera.roles import POD_ROLES
 from tessera.tracing import tracer
 from tessera.v1 import engine_pb2 as epb
@@ -56,13 +61,14 @@ class _Plan:
 
 class Gateway:
     def __init__(self, config: GatewayConfig, model: ServedModel, tenants: TenantRegistry,
-                 classes: PriorityClasses, metrics: GatewayMetrics | None = None) -> None:
+                 classes: PriorityClasses, metrics: GatewayMetrics | None = None,
+                 internal: InternalClient | None = None) -> None:
         self.config = config
         self.model = model
         self.tenants = tenants
         self.classes = classes
         self.metrics = metrics or GatewayMetrics()
-        self.pool = PodPool(config.router, config.admission, on_change=self._on_pool_change)
+        self.pool = PodPool(config.router, config.admission, on_change=self._on_pool_change, client=internal)
         self.admission = AdmissionController(
             max_queue_len=config.admission.max_queue_len, queue_timeout_s=config.admission.queue_timeout_s
         )
@@ -80,17 +86,18 @@ class Gateway:
         await self.pool.close()
 
     # -- the pipeline ----------------------------------------------------
-    async def open_stream(self, req: GenerationRequest, authorization: str | None,
-                          endpoint: str) -> "ResponseStream":
+    async def open_stream(self, req: GenerationRequest, tenant: Tenant, endpoint: str) -> "ResponseStream":
+        """The request admitted, routed and answering (its first output
+        read); raises GatewayError for every refusal. `tenant` comes from
+        `authenticate`, which the front ends call before they read the body."""
         arrival = time.monotonic()
-        tenant = self.authenticate(authorization)
         labels = (tenant.name, req.priority_class or tenant.priority_class or self.classes.default.name)
         try:
             pclass, prompt_ids, max_tokens = self._validate(req, tenant)
             labels = (tenant.name, pclass.name)
             if not self.pool.routable():
                 raise unavailable("no engine pod is serving; retry shortly", "no_engine_pod")
-            ticket = await self._admit(tenant, pclass, len(prompt_ids))
+            ticket = await self._admit(tenant, pclass, len(prompt_ids), req.options.n * max_tokens)
         except GatewayError as e:
             self.metrics.requests.labels(*labels, endpoint, "rejected").inc()
             raise e from None
@@ -126,7 +133,21 @@ class Gateway:
             max_tokens = self.model.check_length(len(prompt_ids), req.options.max_tokens)
         except PromptError as e:
             raise bad_request(str(e), e.code, e.param) from None
+        self._check_against_model(req.options, max_tokens)
         return pclass, prompt_ids, max_tokens
+
+    def _check_against_model(self, options: SamplingOptions, max_tokens: int) -> None:
+        """The limits only the served model knows, checked here so the
+        engine never refuses what the gateway admitted."""
+        vocab = self.model.vocab_size
+        bad = [t for t in options.stop_token_ids if t >= vocab]
+        if bad:
+            raise bad_request(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                              "invalid_token_id", "stop_token_ids")
+        if options.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens: {options.min_tokens} is more than the {max_tokens} output tokens "
+                              "this request may generate (max_tokens, or what the context leaves)",
+                              "invalid_value", "min_tokens")
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         if req.messages is not None:
@@ -135,12 +156,13 @@ class Gateway:
             return list(req.prompt_token_ids)
         return self.model.encode(req.prompt or "")
 
-    async def _admit(self, tenant: Tenant, pclass: PriorityClass, num_prompt_tokens: int) -> Ticket:
+    async def _admit(self, tenant: Tenant, pclass: PriorityClass, num_prompt_tokens: int,
+                     max_output_tokens: int) -> Ticket:
         with _tracer.start_as_current_span("gateway.admission") as span:
             span.set_attribute("tessera.tenant", tenant.name)
             span.set_attribute("tessera.priority_class", pclass.name)
             try:
-                return await self.admission.admit(tenant, pclass, num_prompt_tokens)
+                return await self.admission.admit(tenant, pclass, num_prompt_tokens, max_output_tokens)
             except Rejected as e:
                 self.metrics.rejections.labels(tenant.name, pclass.name, e.reason).inc()
                 span.set_attribute("tessera.rejected", e.reason)
@@ -253,6 +275,9 @@ class ResponseStream:
         except BaseException:
             self.outcome = "error"
             raise
+        if self._first is None:
+            self.outcome = "error"
+            raise internal("internal error: the request produced no output")
 
     def _engine_request(self, index: int, plan: _Plan, consume: bool = False) -> epb.GenerateRequest:
         req = epb.GenerateRequest(
@@ -277,38 +302,53 @@ class ResponseStream:
     async def _choice_updates(self, choice: ChoiceState, plan: _Plan, metadata,
                               prefill_task) -> AsyncIterator[ChoiceUpdate]:
         """One choice's updates until it finishes; raises GatewayError or
-        StreamBroken when its engine calls fail."""
-        consume = False
-        if prefill_task is not None:
-            consume = await asyncio.shield(prefill_task)
-        request = self._engine_request(choice.index, plan, consume)
-        kind = "decode" if prefill_task is not None else "route"
-        responses = stream_choice(self.gateway.pool, plan.candidates, request, metadata, self._on_attempt(kind))
+        StreamBroken when its engine calls fail. Every step (building the
+        engine request, the call, detokenizing) is inside the `try`: a bug
+        anywhere ends the request with a 500, logged here once."""
+        responses = None
         try:
+            consume = False
+            if prefill_task is not None:
+                consume = await asyncio.shield(prefill_task)
+            request = self._engine_request(choice.index, plan, consume)
+            kind = "decode" if prefill_task is not None else "route"
+            responses = stream_choice(self.gateway.pool, plan.candidates, request, metadata, self._on_attempt(kind))
             async for response in responses:
                 update = choice.on_response(response)
                 self.ticket.charge_output_tokens(len(response.token_ids))
                 yield update
                 if choice.finished:
                     return
+            raise StreamBroken("the engine stream ended before the choice finished")
         except (GatewayError, StreamBroken, asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:  # a bug: end this request with 500, keep the gateway up
             logger.exception("request %s choice %d failed", self.id, choice.index)
             raise internal(f"internal error: {type(e).__name__}") from e
         finally:
-            await responses.aclose()
+            if responses is not None:
+                await responses.aclose()
 
     async def _pump(self, updates: AsyncIterator[ChoiceUpdate]) -> None:
+        """Feed one choice's updates to the merged queue. Whatever ends it
+        other than cancellation reaches the consumer, which would otherwise
+        wait for this choice forever."""
         try:
             async for update in updates:
                 await self._updates.put(update)
         except (GatewayError, StreamBroken) as e:
-            await self._updates.put(e)
+            self._updates.put_nowait(e)
+        except Exception as e:
+            self._updates.put_nowait(client_error(e, "mid-request"))
 
-    async def _next_update(self) -> ChoiceUpdate:
+    async def _next_update(self) -> ChoiceUpdate | None:
+        """The next update of any choice; None when a lone choice's updates
+        ended without a finish (the caller raises)."""
         if self._single is not None:
-            return await self._single.__anext__()
+            try:
+                return await self._single.__anext__()
+            except StopAsyncIteration:
+                return None
         item = await self._updates.get()
         if isinstance(item, BaseException):
             raise item
@@ -324,9 +364,11 @@ class ResponseStream:
                 yield first
             while self._remaining > 0:
                 item = await self._next_update()
+                if item is None:
+                    raise internal("internal error: a choice ended without finishing")
                 self._on_update(item)
                 yield item
-        except (GatewayError, StreamBroken):
+        except Exception:  # GatewayError, StreamBroken, or a bug the front end reports as 500
             self.outcome = "error"
             raise
         except (asyncio.CancelledError, GeneratorExit):

@@ -24,6 +24,8 @@ def checked(make, param: str) -> StructuredOutputsParams:
     try:
         params = make()
         validate(params)
+    except RecursionError:
+        raise bad_request(f"{param}: nested too deeply", "invalid_structured_output", param.split(".")[0]) from None
     except (ValueError, TypeError) as e:
         # The engine names its own field ("structured_outputs.json: ..."):
         # name the client's instead.

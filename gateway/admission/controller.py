@@ -27,13 +27,21 @@ _QUEUED, _DISPATCHED, _GONE = "queued", "dispatched", "gone"
 
 
 class Ticket:
-    """One admitted request; release it exactly when the request ends."""
+    """One admitted request; release it exactly when the request ends.
+
+    tokens_per_minute is charged up front for the prompt and the output the
+    request may generate (`reserved_output_tokens`, n x max_tokens), so one
+    request cannot overrun the limit; `release` gives back what it did not
+    generate."""
 
     def __init__(self, controller: "AdmissionController", tenant: Tenant, priority_class: PriorityClass,
-                 limiter: TenantLimiter, prompt_tokens: int, queue_wait_s: float):
+                 limiter: TenantLimiter, prompt_tokens: int, queue_wait_s: float, reserved_output_tokens: int = 0):
         self.tenant = tenant
         self.priority_class = priority_class
         self.prompt_tokens = prompt_tokens
+        # Output tokens charged at admission, and those generated so far.
+        self.reserved_output_tokens = reserved_output_tokens
+        self.output_tokens = 0
         # Time spent in the gateway's queue (injected clock); 0.0 if admitted at once.
         self.queue_wait_s = queue_wait_s
         self._controller = controller
@@ -45,17 +53,23 @@ class Ticket:
         return self._released
 
     def charge_output_tokens(self, n: int) -> None:
-        """Bill generated tokens to tokens_per_minute as they stream."""
+        """Count generated tokens as they stream; those beyond the
+        reservation are billed to tokens_per_minute at once."""
         if n < 0:
             raise ValueError("output tokens must be >= 0")
-        self._limiter.charge_output(n)
+        before = self.output_tokens
+        self.output_tokens += n
+        beyond = max(0, self.output_tokens - self.reserved_output_tokens) - max(0, before - self.reserved_output_tokens)
+        if beyond:
+            self._limiter.charge_output(beyond)
 
     def release(self) -> None:
-        """The request finished, failed or was cancelled; safe to call twice."""
+        """The request finished, failed or was cancelled: settle its token
+        reservation with what it generated. Safe to call twice."""
         if self._released:
             return
         self._released = True
-        self._limiter.finish()
+        self._limiter.finish(unused_tokens=max(0, self.reserved_output_tokens - self.output_tokens))
         self._controller._slot_freed()
 
     def __enter__(self) -> "Ticket":
@@ -71,6 +85,7 @@ class _Waiter:
     pclass: PriorityClass
     limiter: TenantLimiter
     prompt_tokens: int
+    output_tokens: int  # reserved: n x max_tokens
     future: asyncio.Future
     enqueued_at: float
     status: str = _QUEUED
@@ -122,21 +137,24 @@ class AdmissionController:
         self._dispatch()
 
     # ---- admission ---------------------------------------------------
-    async def admit(self, tenant: Tenant, pclass: PriorityClass, prompt_tokens: int) -> Ticket:
-        """A Ticket once the request may go to the pool; raises Rejected."""
-        if prompt_tokens < 0:
-            raise ValueError("prompt_tokens must be >= 0")
+    async def admit(self, tenant: Tenant, pclass: PriorityClass, prompt_tokens: int,
+                    output_tokens: int = 0) -> Ticket:
+        """A Ticket once the request may go to the pool; raises Rejected.
+        `output_tokens` is the most it may generate (n x max_tokens), reserved
+        against tokens_per_minute with the prompt."""
+        if prompt_tokens < 0 or output_tokens < 0:
+            raise ValueError("prompt_tokens and output_tokens must be >= 0")
         limiter = self._limiter(tenant)
-        limiter.check(prompt_tokens)
+        limiter.check(prompt_tokens, output_tokens)
         # Newcomers may not overtake requests already waiting.
         must_wait = self.saturated or len(self._queue) > 0
         if must_wait:
             self._check_can_queue(pclass)
-        limiter.take(prompt_tokens)
+        limiter.take(prompt_tokens + output_tokens)
         if not must_wait:
             self._budget -= 1
-            return Ticket(self, tenant, pclass, limiter, prompt_tokens, 0.0)
-        return await self._wait(tenant, pclass, limiter, prompt_tokens)
+            return Ticket(self, tenant, pclass, limiter, prompt_tokens, 0.0, output_tokens)
+        return await self._wait(tenant, pclass, limiter, prompt_tokens, output_tokens)
 
     def _limiter(self, tenant: Tenant) -> TenantLimiter:
         limiter = self._limiters.get(tenant.name)
@@ -155,9 +173,9 @@ class AdmissionController:
                                          f"(max_queue_len {self._max_queue_len}); retry later", RETRY_HINT_S)
 
     async def _wait(self, tenant: Tenant, pclass: PriorityClass, limiter: TenantLimiter,
-                    prompt_tokens: int) -> Ticket:
+                    prompt_tokens: int, output_tokens: int) -> Ticket:
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(tenant, pclass, limiter, prompt_tokens, loop.create_future(), self._clock())
+        waiter = _Waiter(tenant, pclass, limiter, prompt_tokens, output_tokens, loop.create_future(), self._clock())
         self._queue.push(waiter, class_name=pclass.name, weight=pclass.weight, rank=pclass.priority,
                          tenant=tenant.name)
         # The timeout runs on the loop's clock: only it can wake a sleeping waiter.
@@ -182,7 +200,7 @@ class AdmissionController:
         waiter.status = _GONE
         if waiter.timer is not None:
             waiter.timer.cancel()
-        waiter.limiter.refund(waiter.prompt_tokens)
+        waiter.limiter.refund(waiter.prompt_tokens + waiter.output_tokens)
 
     def _expire(self, waiter: _Waiter) -> None:
         if waiter.status != _QUEUED:
@@ -202,9 +220,9 @@ class AdmissionController:
             if waiter.future.done():
                 # Cancelled, and its task has not run its cleanup yet: never ran.
                 waiter.status = _GONE
-                waiter.limiter.refund(waiter.prompt_tokens)
+                waiter.limiter.refund(waiter.prompt_tokens + waiter.output_tokens)
                 continue
             self._budget -= 1
             waiter.ticket = Ticket(self, waiter.tenant, waiter.pclass, waiter.limiter, waiter.prompt_tokens,
-                                   self._clock() - waiter.enqueued_at)
+                                   self._clock() - waiter.enqueued_at, waiter.output_tokens)
             waiter.future.set_result(waiter.ticket)

@@ -98,20 +98,26 @@ class TenantLimiter:
         self.requests = TokenBucket(rpm, rpm / 60.0, self._clock) if rpm else None
         self.tokens = TokenBucket(tpm, tpm / 60.0, self._clock) if tpm else None
 
-    def check(self, prompt_tokens: int) -> None:
-        """Raise Rejected for the first limit the request exceeds."""
+    def check(self, prompt_tokens: int, output_tokens: int = 0) -> None:
+        """Raise Rejected for the first limit the request exceeds. The tokens
+        it needs are its prompt plus the output it may generate
+        (`output_tokens`: n x max_tokens), reserved at admission."""
         limits = self.limits
-        if self.tokens is not None and prompt_tokens > self.tokens.capacity:
+        tokens = prompt_tokens + output_tokens
+        if self.tokens is not None and tokens > self.tokens.capacity:
+            # No wait helps: OpenAI's "Request too large" (429 without Retry-After).
             raise Rejected("tokens_per_minute",
-                           f"prompt of {prompt_tokens} tokens exceeds the tokens_per_minute limit "
-                           f"of {limits.tokens_per_minute}", None)
+                           f"Request too large for tokens per min (TPM): Limit {limits.tokens_per_minute}, "
+                           f"Requested {tokens} ({prompt_tokens} prompt tokens + {output_tokens} output tokens, "
+                           "n x max_tokens). Reduce the prompt, max_tokens or n.", None)
         failures: list[tuple[str, str, float]] = []
         if self.requests is not None and (wait := self.requests.time_until(1)) > 0:
             failures.append(("requests_per_minute",
                              f"requests_per_minute limit of {limits.requests_per_minute} exceeded", wait))
-        if self.tokens is not None and (wait := self.tokens.time_until(prompt_tokens)) > 0:
+        if self.tokens is not None and (wait := self.tokens.time_until(tokens)) > 0:
             failures.append(("tokens_per_minute",
-                             f"tokens_per_minute limit of {limits.tokens_per_minute} exceeded", wait))
+                             f"tokens_per_minute limit of {limits.tokens_per_minute} exceeded (this request "
+                             f"needs {tokens} tokens: prompt plus n x max_tokens)", wait))
         if limits.max_concurrent is not None and self.in_flight >= limits.max_concurrent:
             failures.append(("concurrency",
                              f"max_concurrent limit of {limits.max_concurrent} requests reached", RETRY_HINT_S))
@@ -121,24 +127,29 @@ class TenantLimiter:
             retry_after = max(wait for _, _, wait in failures)
             raise Rejected(reason, f"{message}; retry after {retry_after:.2f} s", retry_after)
 
-    def take(self, prompt_tokens: int) -> None:
+    def take(self, tokens: int) -> None:
+        """Charge one request and its reserved `tokens` (prompt plus output)."""
         if self.requests is not None:
             self.requests.charge(1)
         if self.tokens is not None:
-            self.tokens.charge(prompt_tokens)
+            self.tokens.charge(tokens)
         self.in_flight += 1
 
-    def refund(self, prompt_tokens: int) -> None:
+    def refund(self, tokens: int) -> None:
         """Undo `take` for a request that never ran (timed out or cancelled in the queue)."""
         if self.requests is not None:
             self.requests.refund(1)
         if self.tokens is not None:
-            self.tokens.refund(prompt_tokens)
+            self.tokens.refund(tokens)
         self.in_flight -= 1
 
-    def finish(self) -> None:
+    def finish(self, unused_tokens: int = 0) -> None:
+        """The request ended; give back the part of its reservation it did not generate."""
+        if self.tokens is not None and unused_tokens > 0:
+            self.tokens.refund(unused_tokens)
         self.in_flight -= 1
 
     def charge_output(self, n: int) -> None:
+        """Output beyond a request's reservation, billed as it is generated."""
         if self.tokens is not None:
             self.tokens.charge(n)

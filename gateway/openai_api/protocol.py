@@ -1,9 +1,13 @@
-"""Request bodies of the OpenAI-compatible REST API (pydantic models: they
-validate the types and publish the OpenAPI document).
+"""Request bodies and error responses of the OpenAI-compatible REST API
+(pydantic models: they validate the types and publish the OpenAPI document).
 
 Unknown fields are refused, as OpenAI does, so a typo never silently drops a
 parameter. vLLM's extra sampling fields are accepted (top_k, min_p, ...);
-`priority_class` is Tessera's own.
+`priority_class` is Tessera's own. The document states the constraints the
+gateway enforces (lengths, ranges, unsupported values), so what a
+schema-driven client thinks valid is what the server accepts, short of the
+limits only the served model knows (context length, vocabulary), which the
+field descriptions name.
 """
 
 from __future__ import annotations
@@ -13,41 +17,98 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway import structured_output
-from gateway.request import MAX_LOGPROBS, MAX_N, SamplingOptions
+from gateway.request import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP,
+    MAX_STOP_TOKEN_IDS,
+    SamplingOptions,
+)
 
-NonNegInt = Annotated[int, Field(ge=0, le=2**31 - 1)]
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+NonNegInt = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX, description="a token id of the model's vocabulary")]
+Text = Annotated[str, Field(min_length=1)]
+_CONTEXT = " The prompt plus max_tokens must fit the model's context (GET /v1/models: max_model_len)."
+# Accepted so SDKs that always send them work, refused (400) unless unused.
+_UNSUPPORTED = "Not supported: only the value shown is accepted."
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error, rate_limit_error, "
+                                  "service_unavailable or internal_error")
+    param: str | None = Field(description="the request field at fault, if any")
+    code: str | None = Field(description="a machine-readable reason (context_length_exceeded, "
+                                         "tokens_per_minute, ...)")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object: every non-2xx answer has this shape."""
+
+    error: ErrorDetail
+
+
+_ERROR_STATUSES = {
+    400: "Invalid request: malformed JSON, wrong types, out-of-range values, unknown or unsupported fields, "
+         "a prompt over the context, an unknown priority class, a bad output constraint",
+    401: "No API key, a malformed Authorization header or a wrong key (checked before the body)",
+    404: "An unknown model",
+    429: "A tenant limit, shedding or a full queue; Retry-After says when to retry (absent: the request "
+         "can never fit the limit)",
+    500: "An internal error",
+    503: "No engine pod serving, a queue timeout, or the engine failed; Retry-After says when to retry",
+}
+
+
+def _doc(**schema) -> Field:
+    """JSON-schema keywords for the document alone (not enforced by pydantic)."""
+    return Field(json_schema_extra=schema)
+
+
+def error_responses(*statuses: int) -> dict:
+    """The `responses` of a route: each status it can return, with OpenAI's error schema."""
+    return {s: {"model": ErrorResponse, "description": _ERROR_STATUSES[s]} for s in statuses}
+
+
+# Strict types: JSON's true is not the integer 1, nor "2" the number 2 (as
+# OpenAI answers); unknown fields are refused.
+_STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
-    model: str
+    model: str = Field(description="the served model (GET /v1/models); another name is 404")
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
-    stop: str | list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=16)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX,
+                             description="choice i samples with seed + i, wrapped to a signed 64-bit integer")
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     # vLLM's extensions.
-    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    min_tokens: NonNegInt = 0
+    min_tokens: NonNegInt = Field(0, description="at most max_tokens (or what the context leaves)")
     ignore_eos: bool = False
-    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     # Tessera: a priority class the API key may use (default: the key's).
-    priority_class: str | None = Field(None, max_length=64)
+    priority_class: str | None = Field(None, max_length=64,
+                                       description="a configured class the API key may use; another is 400")
     # Guided decoding (gateway/structured_output.py checks them): OpenAI's
     # response_format, vLLM's structured_outputs and older guided_* fields.
     response_format: dict | None = None
@@ -80,25 +141,34 @@ class _SamplingFields(BaseModel):
         )
 
 
+_OneText = Annotated[str, _doc(minLength=1)]
+_OneIds = Annotated[list[TokenId], _doc(minItems=1)]
+
+
 class CompletionRequest(_SamplingFields):
     # One prompt: text, or token ids (a one-element list of either is accepted).
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1, le=2**31 - 1)
+    # The constraints are the document's only: the gateway's own checks
+    # refuse an empty prompt or a batch with a clearer message than a union's.
+    prompt: _OneText | _OneIds | Annotated[list[_OneText], _doc(minItems=1, maxItems=1)] \
+        | Annotated[list[_OneIds], _doc(minItems=1, maxItems=1)] = Field(
+            description="one prompt: text, or token ids; batches of prompts are not supported." + _CONTEXT)
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX, description="output tokens per choice." + _CONTEXT)
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
-    suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
+    echo: bool = Field(False, description=_UNSUPPORTED, json_schema_extra={"enum": [False]})
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only best_of == n is supported")
+    suffix: str | None = Field(None, description=_UNSUPPORTED, json_schema_extra={"maxLength": 0})
+    logit_bias: dict[str, float] | None = Field(None, description=_UNSUPPORTED,
+                                                json_schema_extra={"maxProperties": 0})
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=256)
@@ -110,11 +180,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    messages: list[ChatMessage] = Field(min_length=1, description="rendered with the model's chat template." + _CONTEXT)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="absent: what the context leaves")
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="max_tokens' newer name")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
     add_generation_prompt: bool = True
-    logit_bias: dict[str, float] | None = None
-    tools: list[dict] | None = None
+    logit_bias: dict[str, float] | None = Field(None, description=_UNSUPPORTED,
+                                                json_schema_extra={"maxProperties": 0})
+    tools: list[dict] | None = Field(None, description=_UNSUPPORTED, json_schema_extra={"maxItems": 0})

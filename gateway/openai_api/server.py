@@ -1,7 +1,10 @@
 """The OpenAI-compatible REST API (FastAPI): /v1/completions,
-/v1/chat/completions, /v1/models, plus /health and /metrics.
+/v1/chat/completions, /v1/models, plus /health. (Metrics have their own
+port: gateway/main.py.)
 
-The OpenAPI document is served at /openapi.json.
+The OpenAPI document is served at /openapi.json. Every answer but a 2xx is
+OpenAI's error object, whatever failed: the body, the key, a route or
+method that does not exist, or the gateway itself.
 """
 
 from __future__ import annotations
@@ -11,15 +14,23 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from math import ceil
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
-from gateway.errors import GatewayError, StreamBroken, bad_request, internal, unavailable
-from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.errors import (
+    GatewayError,
+    bad_request,
+    client_error,
+    http_error,
+    internal,
+    unavailable,
+)
+from gateway.openai_api.checks import authenticated_route
+from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest, error_responses
 from gateway.openai_api.render import (
     chat_choice,
     chat_chunk_choice,
@@ -34,9 +45,11 @@ logger = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.25
 
 
-def error_response(e: GatewayError) -> JSONResponse:
-    headers = {"Retry-After": str(max(1, ceil(e.retry_after)))} if e.retry_after is not None else None
-    return JSONResponse(e.to_openai(), status_code=e.status, headers=headers)
+def error_response(e: GatewayError) -> Response:
+    headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after is not None else None
+    # ASCII JSON: a message that quotes the client's input renders whatever it holds.
+    return Response(json.dumps(e.to_openai()), status_code=e.status, headers=headers,
+                    media_type="application/json")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -52,11 +65,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{where}: {first.get('msg')}{more}", (loc[0] if loc else None)
 
 
+def _openapi(app: FastAPI) -> dict:
+    """The document without FastAPI's 422: validation errors are 400 here."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path in doc["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        schemas = doc.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
 def build_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="Tessera gateway", version="v1",
-                  description="OpenAI-compatible inference API of a Tessera InferenceService.")
+                  description="OpenAI-compatible inference API of a Tessera InferenceService. Send "
+                              "`Authorization: Bearer <key>`; every error has OpenAI's error shape.")
+    app.openapi = lambda: _openapi(app)
     # FastAPI itself makes the SERVER span of each request (joined to the
     # caller's W3C traceparent) with the global tracer provider.
+    v1 = APIRouter(route_class=authenticated_route(gateway))
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError):
@@ -67,6 +97,13 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def _on_gateway_error(request: Request, exc: GatewayError):
         return error_response(exc)
 
+    @app.exception_handler(HTTPException)
+    async def _on_http_error(request: Request, exc: HTTPException):
+        # Routing's 404 and 405, and a body FastAPI could not read (400).
+        detail = f"{exc.detail}: {request.method} {request.url.path}" if exc.status_code in (404, 405) \
+            else str(exc.detail)
+        return error_response(http_error(exc.status_code, detail))
+
     @app.exception_handler(ClientGone)
     async def _on_client_gone(request: Request, exc: ClientGone):
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
@@ -76,7 +113,9 @@ def build_app(gateway: Gateway) -> FastAPI:
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(internal())
 
-    @app.post("/v1/completions")
+    generation_errors = error_responses(400, 401, 404, 429, 500, 503)
+
+    @v1.post("/v1/completions", responses=generation_errors)
     async def completions(body: CompletionRequest, request: Request):
         gen = _completion_request(body)
         stream = await _open(gateway, gen, request, "completions")
@@ -90,7 +129,7 @@ def build_app(gateway: Gateway) -> FastAPI:
             "choices": [completion_choice(c, want_logprobs) for c in choices], "usage": usage_json(stream.usage),
         }
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/v1/chat/completions", responses=generation_errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         gen = _chat_request(body)
         stream = await _open(gateway, gen, request, "chat")
@@ -104,24 +143,20 @@ def build_app(gateway: Gateway) -> FastAPI:
             "usage": usage_json(stream.usage),
         }
 
-    @app.get("/v1/models")
+    @v1.get("/v1/models", responses=error_responses(401, 500))
     async def models(request: Request):
-        gateway.authenticate(request.headers.get("authorization"))
         m = gateway.model
         return {"object": "list", "data": [{
             "id": m.name, "object": "model", "created": 0, "owned_by": "tessera", "max_model_len": m.max_model_len,
         }]}
 
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(503))
     async def health():
         if gateway.pool.routable():
             return {"status": "ok", "pods": len(gateway.pool.routable())}
         return error_response(unavailable("no engine pod is serving", "no_engine_pod"))
 
-    @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
+    app.include_router(v1)
     return app
 
 
@@ -193,15 +228,16 @@ async def _unless_disconnected(request: Request, awaitable):
 
 
 async def _open(gateway: Gateway, gen: GenerationRequest, request: Request, endpoint: str) -> ResponseStream:
-    return await _unless_disconnected(
-        request, gateway.open_stream(gen, request.headers.get("authorization"), endpoint))
+    return await _unless_disconnected(request, gateway.open_stream(gen, request.state.tenant, endpoint))
 
 
 async def _collect(stream: ResponseStream, request: Request):
     try:
         return await _unless_disconnected(request, stream.collect())
-    except StreamBroken as e:
-        raise unavailable(f"the engine pod failed mid-request: {e}", "engine_failed") from None
+    except ClientGone:
+        raise
+    except Exception as e:
+        raise client_error(e, "mid-request") from None
 
 
 def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
@@ -213,20 +249,16 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _stream_error(e: BaseException) -> dict:
-    if isinstance(e, GatewayError):
-        return e.to_openai()
-    return unavailable(f"the engine pod failed mid-stream: {e}", "engine_failed", None).to_openai()
-
-
 async def _chunks(stream: ResponseStream, base: dict, include_usage: bool, render) -> AsyncIterator[dict]:
     """SSE events of a stream: one chunk per update (`render` makes its
-    choice), an error event if the engine fails mid-way, then the usage."""
+    choice), then the usage; if anything fails mid-way (the engine, or a
+    bug), an error event instead (`_sse` still ends the stream with
+    [DONE], so no client waits for more)."""
     try:
         async for update in stream:
             yield {**base, "choices": [render(update)], **({"usage": None} if include_usage else {})}
-    except (StreamBroken, GatewayError) as e:
-        yield _stream_error(e)
+    except Exception as e:
+        yield client_error(e, "mid-stream").to_openai()
         return
     if include_usage:
         yield {**base, "choices": [], "usage": usage_json(stream.usage)}

@@ -9,7 +9,7 @@ def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="run a benchmark")
     kinds = bench.add_subparsers(dest="bench", required=True)
     from tessera.bench import (
-        cpu_kernels, gateway_overhead, grpc_stream, guided, kernels, kv_store, prefix_cache, routing, serve,
+        cpu_kernels, fuzz, gateway_overhead, grpc_stream, guided, kernels, kv_store, prefix_cache, routing, serve,
         spec_decode, throughput, tp_memory, tp_overhead,
     )
 
@@ -26,8 +26,22 @@ def add_bench_parser(sub) -> None:
     guided.add_parser(kinds)
     spec_decode.add_parser(kinds)
     cpu_kernels.add_parser(kinds)
+    fuzz.add_parser(kinds)
     bench.set_defaults(func=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    _ensure_internal_secret()
     return args.bench_func(args)
+
+
+def _ensure_internal_secret() -> None:
+    """Benchmarks start every pod and gateway themselves: without a secret in
+    the environment, make one there, for the children to inherit (never an
+    argument) and the benchmark's own clients to present."""
+    import os
+
+    from tessera.internal_secret import SECRET_ENV, InternalSecret
+
+    if InternalSecret.load() is None:
+        os.environ[SECRET_ENV] = InternalSecret.generate().value.decode()

@@ -32,6 +32,7 @@ import grpc
 from engine_pod.server.process import EnginePodProcess
 from gateway.process import GatewayProcess
 from tessera.bench.common import percentile, resolve_model, write_report
+from tessera.internal_channel import InternalClient
 from tessera.v1 import engine_pb2 as epb
 from tessera.v1 import engine_pb2_grpc as epb_grpc
 from tessera.v1 import inference_pb2 as ipb
@@ -65,7 +66,7 @@ class Clients:
     async def __aenter__(self) -> "Clients":
         import aiohttp
 
-        self._pod_channel = grpc.aio.insecure_channel(self.pod_address)
+        self._pod_channel = InternalClient.from_env().aio_channel(self.pod_address)
         self._gw_channel = grpc.aio.insecure_channel(self.gateway_grpc)
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                               timeout=aiohttp.ClientTimeout(total=120))

@@ -17,13 +17,12 @@ import resource
 import statistics
 import time
 
-import grpc
-
 from engine_pod import LLM
 from engine_pod.server.process import EnginePodProcess
 from tessera.bench.common import add_common_args, write_report
 from tessera.bench.throughput import run_engine
 from tessera.bench.workload import BenchRequest, sharegpt_like
+from tessera.internal_channel import InternalClient
 from tessera.v1 import engine_pb2 as pb
 from tessera.v1 import engine_pb2_grpc as pb_grpc
 
@@ -42,7 +41,7 @@ async def _stream_all(address: str, requests: list[BenchRequest]) -> tuple[float
             n += len(resp.token_ids)
         return n
 
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with InternalClient.from_env().aio_channel(address) as channel:
         stub = pb_grpc.EngineStub(channel)
         start = time.perf_counter()
         counts = await asyncio.gather(*(one(stub, r) for r in requests))

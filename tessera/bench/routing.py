@@ -165,13 +165,12 @@ def _warm_up(pod: EnginePodProcess, prompt_len: int, seed: int) -> None:
     """Two long prompts of random ids straight to the pod: torch's first
     passes are slow. Their blocks are the oldest in the cache, so LRU
     evicts them first; they never match a system prompt."""
-    import grpc
-
+    from tessera.internal_channel import InternalClient
     from tessera.v1 import engine_pb2 as pb
     from tessera.v1 import engine_pb2_grpc as pb_grpc
 
     rng = random.Random(seed)
-    with grpc.insecure_channel(pod.address) as channel:
+    with InternalClient.from_env().channel(pod.address) as channel:
         stub = pb_grpc.EngineStub(channel)
         for _ in range(2):
             ids = [rng.randrange(100, 4000) for _ in range(prompt_len)]
@@ -213,7 +212,7 @@ def run_policy(policy: str, requests: list[ScheduledRequest], s: RunSettings, ta
         before = _pod_counters(pods)
         results, seconds = asyncio.run(replay(gw.base_url, requests, s.output_len, s.max_concurrency))
         after = _pod_counters(pods)
-        routed = scrape(gw.base_url + "/metrics", "tessera:gateway_routing_decisions_total", "pod")
+        routed = scrape(gw.metrics_url, "tessera:gateway_routing_decisions_total", "pod")
     return summarize(policy, results, seconds, before, after, routed)
 
 

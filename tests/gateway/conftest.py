@@ -27,6 +27,7 @@ KEYS = {
     "rpm": "sk-rpm-0123456789",
     "rpm-grpc": "sk-rpm-grpc-0123456789",
     "tpm": "sk-tpm-0123456789",
+    "tpm-reserve": "sk-tpm-reserve-0123456789",
     "grpc": "sk-grpc-0123456789",
     "fuzz": "sk-fuzz-0123456789",
     "docs-a": "sk-docs-a-0123456789",
@@ -38,6 +39,7 @@ TENANTS = [
     {"name": "rpm", "requests_per_minute": 2},
     {"name": "rpm-grpc", "requests_per_minute": 2},
     {"name": "tpm", "tokens_per_minute": 60},
+    {"name": "tpm-reserve", "tokens_per_minute": 100},
     {"name": "grpc"},
     {"name": "fuzz"},
     # Two tenants that opted into one shared prefix-cache salt.
@@ -83,6 +85,23 @@ def platform(tiny_llama, engine_pods, tmp_path_factory):
     with GatewayProcess(config, work, log_path=work / "gateway.log") as gw:
         gw.wait_ready(num_pods=2)
         yield gw
+
+
+# The fuzzing gateway's context: a valid generated request stays cheap.
+FUZZ_MAX_MODEL_LEN = 48
+
+
+@pytest.fixture(scope="session")
+def fuzz_gateway(tiny_llama, engine_pods, tmp_path_factory):
+    """A gateway in front of both pods for the fuzz and property tests (its
+    own process: their thousands of requests leave `platform` alone)."""
+    work = tmp_path_factory.mktemp("fuzz-gateway")
+    config = gateway_config(tiny_llama, [(p, "mixed") for p in engine_pods], write_tenants(work / "tenants.yaml"))
+    config["model"]["max_model_len"] = FUZZ_MAX_MODEL_LEN
+    with GatewayProcess(config, work, log_path=work / "gateway.log") as gw:
+        gw.wait_ready(num_pods=2)
+        yield gw
+    assert gw.proc.returncode == 0, "the gateway did not shut down cleanly after the fuzzing"
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,10 @@ an engine pod's in-flight count."""
 
 from __future__ import annotations
 
-import grpc
 import httpx
 
 from tessera.v1 import engine_pb2, engine_pb2_grpc
+from tests.pod.client import pod_channel
 
 
 def metric_sum(url: str, name: str, **labels: str) -> float:
@@ -30,6 +30,6 @@ def aborted(*pods) -> float:
 
 def in_flight(pod) -> int:
     """Running plus waiting requests of a pod, from its own load report."""
-    with grpc.insecure_channel(pod.address) as channel:
+    with pod_channel(pod.address) as channel:
         report = engine_pb2_grpc.EngineStub(channel).GetLoad(engine_pb2.LoadRequest())
     return report.num_running + report.num_waiting

@@ -33,14 +33,14 @@ def tenant(name="acme", rpm=None, tpm=None, concurrent=None) -> Tenant:
     return Tenant(name, None, None, RateLimits(rpm, tpm, concurrent), f"tenant:{name}")
 
 
-def admit_now(ctrl, who, pclass=STANDARD, prompt_tokens=10):
+def admit_now(ctrl, who, pclass=STANDARD, prompt_tokens=10, output_tokens=0):
     """Admit without queueing (each call its own short loop; nothing waits)."""
-    return asyncio.run(ctrl.admit(who, pclass, prompt_tokens))
+    return asyncio.run(ctrl.admit(who, pclass, prompt_tokens, output_tokens))
 
 
-def rejection(ctrl, who, pclass=STANDARD, prompt_tokens=10) -> Rejected:
+def rejection(ctrl, who, pclass=STANDARD, prompt_tokens=10, output_tokens=0) -> Rejected:
     with pytest.raises(Rejected) as info:
-        admit_now(ctrl, who, pclass, prompt_tokens)
+        admit_now(ctrl, who, pclass, prompt_tokens, output_tokens)
     return info.value
 
 
@@ -102,6 +102,59 @@ def test_tokens_per_minute_limit_prompt_and_output_tokens():
     # Generated tokens are billed afterwards and push the balance below zero.
     ticket.charge_output_tokens(300)
     assert rejection(ctrl, acme, prompt_tokens=50).retry_after == pytest.approx(35.0)
+
+
+def test_tokens_per_minute_reserves_n_x_max_tokens_and_settles_with_the_real_count():
+    clock = FakeClock()
+    ctrl = AdmissionController(clock)
+    acme = tenant(tpm=600)  # refills 10 tokens/s
+    # 100 prompt tokens and up to 400 output tokens (n x max_tokens): 500 reserved.
+    ticket = admit_now(ctrl, acme, prompt_tokens=100, output_tokens=400)
+    assert ticket.reserved_output_tokens == 400
+    err = rejection(ctrl, acme, prompt_tokens=50, output_tokens=100)  # needs 150, 100 left
+    assert err.reason == "tokens_per_minute" and err.retry_after == pytest.approx(5.0)
+    # It generated 150 of its 400: settling gives 250 back.
+    ticket.charge_output_tokens(100)
+    ticket.charge_output_tokens(50)
+    ticket.release()
+    ticket.release()  # settles once
+    admit_now(ctrl, acme, prompt_tokens=50, output_tokens=100)  # 350 available, 150 taken
+    err = rejection(ctrl, acme, prompt_tokens=100, output_tokens=101)
+    assert err.retry_after == pytest.approx(0.1)
+
+
+def test_output_beyond_the_reservation_is_billed_as_it_streams():
+    clock = FakeClock()
+    ctrl = AdmissionController(clock)
+    acme = tenant(tpm=600)
+    ticket = admit_now(ctrl, acme, prompt_tokens=0, output_tokens=100)
+    ticket.charge_output_tokens(80)
+    ticket.charge_output_tokens(70)  # 50 beyond the reservation: billed now
+    ticket.release()  # nothing left to give back
+    assert rejection(ctrl, acme, prompt_tokens=451, output_tokens=0).retry_after == pytest.approx(0.1)
+
+
+def test_a_reservation_larger_than_the_limit_is_too_large_without_retry():
+    # The issue's case: n=16 x max_tokens=400 against a 2,000 tokens/min tenant.
+    err = rejection(AdmissionController(FakeClock()), tenant(tpm=2000), prompt_tokens=5,
+                    output_tokens=16 * 400)
+    assert err.reason == "tokens_per_minute" and err.retry_after is None
+    assert "Request too large" in err.message and "Limit 2000" in err.message and "Requested 6405" in err.message
+
+
+def test_a_queued_reservation_is_refunded_when_the_request_never_runs():
+    async def scenario():
+        ctrl = AdmissionController(FakeClock())
+        acme = tenant(tpm=100)
+        ctrl.set_capacity(0)
+        task = asyncio.create_task(ctrl.admit(acme, STANDARD, 10, 90))
+        await settle()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        ctrl.set_capacity(1)
+        (await ctrl.admit(acme, STANDARD, 10, 90)).release()  # all 100 tokens were given back
+    asyncio.run(scenario())
 
 
 def test_prompt_larger_than_the_whole_bucket_cannot_be_retried():

@@ -14,7 +14,8 @@ def test_defaults_and_nested_overrides():
     c = gateway_config_from_dict({**BASE, "router": {"weights": {"prefix": 2}}, "admission": {"max_kv_usage": 0.8}})
     assert c.router.weights.prefix == 2.0 and c.router.weights.waiting == 0.5
     assert c.admission.max_kv_usage == 0.8 and c.admission.max_waiting_per_pod == 8
-    assert c.server.http_port == 8000 and c.server.grpc_port == 50051
+    assert c.server.http_port == 8000 and c.server.grpc_port == 50051 and c.server.metrics_port == 9090
+    assert gateway_config_from_dict({**BASE, "server": {"metrics_port": 0}}).server.metrics_port == 0  # off
     assert c.model.block_size == 16 and c.disaggregation.min_uncached_tokens == 256
 
 
@@ -28,6 +29,8 @@ def test_defaults_and_nested_overrides():
     ({"pods": {}}, "give a static list or kubernetes discovery"),
     ({"model": {"name": "m", "path": "/p", "block_size": 0}}, "model.block_size must be > 0"),
     ({"server": {"http_port": True}}, "server.http_port: expected int"),
+    ({"server": {"metrics_port": 8000}}, "server.metrics_port must differ from server.http_port"),
+    ({"server": {"metrics_port": 70000}}, "server.metrics_port must be in [0, 65535]"),
     ({"pods": {"kubernetes": {"namespace": "ml", "services": ["a", "b"]}}},
      "pods.kubernetes.services: expected a mapping of names to names"),
 ])

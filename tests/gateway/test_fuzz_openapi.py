@@ -2,8 +2,9 @@
 (schemathesis): whatever the body, the gateway answers 2xx or 4xx in
 OpenAI's error shape, never a 5xx, never a crash or a hang.
 
-The fuzzing gateway caps the context at 48 tokens, so a valid generated
-request stays cheap on the real engine pods behind it.
+The fuzzing gateway (tests/gateway/conftest.py) caps the context at 48
+tokens, so a valid generated request stays cheap on the real engine pods
+behind it.
 """
 
 from __future__ import annotations
@@ -11,27 +12,13 @@ from __future__ import annotations
 import json
 
 import httpx
-import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.process import GatewayProcess
-from tests.gateway.conftest import KEYS, MODEL_NAME, gateway_config, write_tenants
+from tests.gateway.conftest import KEYS, MODEL_NAME
 
-FUZZ_MAX_MODEL_LEN = 48
 EXAMPLES = 500
-
-
-@pytest.fixture(scope="module")
-def fuzz_gateway(tiny_llama, engine_pods, tmp_path_factory):
-    work = tmp_path_factory.mktemp("fuzz-gateway")
-    config = gateway_config(tiny_llama, [(p, "mixed") for p in engine_pods], write_tenants(work / "tenants.yaml"))
-    config["model"]["max_model_len"] = FUZZ_MAX_MODEL_LEN
-    with GatewayProcess(config, work, log_path=work / "gateway.log") as gw:
-        gw.wait_ready(num_pods=2)
-        yield gw
-    assert gw.proc.returncode == 0, "the gateway did not shut down cleanly after the fuzzing"
 
 
 def test_no_generated_request_gets_a_server_error(fuzz_gateway):

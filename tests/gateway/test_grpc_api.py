@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -81,7 +84,9 @@ def test_rate_limit_is_resource_exhausted_with_retry_hint(stub):
         stub.CompleteUnary(req, metadata=_auth("rpm-grpc"))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     trailers = dict(err.value.trailing_metadata())
-    assert int(trailers["retry-after"]) >= 1
+    # Rounded up, as REST's Retry-After: a client that waits that long is admitted.
+    wait = float(re.search(r"retry after ([0-9.]+) s", err.value.details()).group(1))
+    assert int(trailers["retry-after"]) == max(1, math.ceil(wait)), (trailers, err.value.details())
 
 
 def test_health_and_reflection(platform):

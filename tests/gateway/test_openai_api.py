@@ -3,6 +3,8 @@ engine pods as real processes on loopback."""
 
 from __future__ import annotations
 
+import math
+import re
 import time
 
 import httpx
@@ -175,7 +177,8 @@ def test_requests_per_minute_limit_is_429_with_retry_after(platform):
     with pytest.raises(openai.RateLimitError) as err:
         c.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=1)
     assert err.value.body["code"] == "requests_per_minute"
-    assert 1 <= int(err.value.response.headers["retry-after"]) <= 60
+    wait = float(re.search(r"retry after ([0-9.]+) s", err.value.body["message"]).group(1))
+    assert int(err.value.response.headers["retry-after"]) == max(1, math.ceil(wait)) <= 60
 
 
 def test_tokens_per_minute_limit_is_429_with_retry_after(platform):
@@ -200,6 +203,11 @@ def test_unknown_model_is_404(platform):
     ({"prompt": "hi", "temperature": 5}, "temperature"),
     ({"prompt": "hi", "n": 0}, "n"),
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    # Strict JSON types, as OpenAI: true is not 1, "16" not 16.
+    ({"prompt": "hi", "n": True}, "n"),
+    ({"prompt": "hi", "max_tokens": "16"}, "max_tokens"),
+    ({"prompt": "hi", "stream": "yes"}, "stream"),
+    ({"prompt": [1, True]}, "prompt"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "logprobs": 9}, "logprobs"),
     ({"prompt": "hi", "bogus_field": 1}, "bogus_field"),
@@ -228,7 +236,12 @@ def test_openapi_health_and_metrics(platform):
     doc = httpx.get(platform.base_url + "/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(doc["paths"])
     assert httpx.get(platform.base_url + "/health").json()["pods"] == 2
-    metrics = httpx.get(platform.base_url + "/metrics").text
+    # Metrics name every tenant: never on the public port, only on their own.
+    public = httpx.get(platform.base_url + "/metrics")
+    assert public.status_code == 404 and public.json()["error"]["code"] == "not_found"
+    assert "/metrics" not in doc["paths"]
+    assert platform.metrics_port not in (platform.http_port, platform.grpc_port)
+    metrics = httpx.get(platform.metrics_url).text
     assert 'tessera:gateway_requests_total{endpoint="completions",outcome="ok",priority_class="standard",' \
            'tenant="alice"}' in metrics
     assert "tessera:gateway_time_to_first_token_seconds_bucket" in metrics

@@ -49,6 +49,7 @@ def test_from_config_mappings_and_dataclasses():
     ([{"name": "a", "priority": 0, "wieght": 2}], "a", "unknown field"),
     ([{"name": "a"}], "a", "required"),
     ([{"name": "a", "priority": "high"}], "a", "integer"),
+    ([{"name": "a", "priority": 2**31}], "a", "integer in"),  # would overflow every engine request
     ([{"name": "a", "priority": 0}, {"name": "b", "priority": 1}], None, "name the default"),
     ([], "a", "at least one"),
 ])

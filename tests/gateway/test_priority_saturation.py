@@ -64,7 +64,7 @@ def test_high_class_overtakes_low_and_sheddable_is_refused_first(tiny_llama, tmp
                     return await asyncio.gather(*tasks)
 
             results = asyncio.run(run())
-            shed = metric_sum(gw.base_url + "/metrics", "tessera:gateway_rejections_total", reason="shed")
+            shed = metric_sum(gw.metrics_url, "tessera:gateway_rejections_total", reason="shed")
 
     by_class = {c["name"]: [r for r in results if r["class"] == c["name"]] for c in CLASSES}
     # High and low are never refused: they wait in the gateway's queue.

@@ -18,7 +18,7 @@ from engine_pod.structured_output import StructuredOutputsParams
 from tessera.bench.guided_workload import SCHEMAS
 from tests.gateway.conftest import KEYS, MODEL_NAME, client
 from tests.gateway.observe import metric_sum, pod_metrics_url
-from tests.pod.client import generate_all
+from tests.pod.client import generate_all, pod_channel
 from tessera.v1 import engine_pb2 as epb
 from tessera.v1 import engine_pb2_grpc as epb_grpc
 from tessera.v1 import inference_pb2 as pb
@@ -206,7 +206,7 @@ def test_engine_pod_generate_guided_and_its_metrics(engine_pods, offline_llm):
     (spb.StructuredOutputs(), "structured_outputs: set one of"),
 ], ids=["schema", "schema-array", "regex", "grammar", "empty-choice", "no-kind"])
 def test_engine_pod_bad_constraints_are_invalid_argument(engine_pods, constraint, message):
-    with grpc.insecure_channel(engine_pods[0].address) as channel:
+    with pod_channel(engine_pods[0].address) as channel:
         stub = epb_grpc.EngineStub(channel)
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(_engine_request(constraint), timeout=30))

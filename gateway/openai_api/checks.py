@@ -1,0 +1,69 @@
+"""What every /v1 request passes before FastAPI reads its body: the API
+key first (401 whatever the body holds, as OpenAI answers), then, for a
+JSON body, that its text is Unicode text."""
+
+from __future__ import annotations
+
+import re
+
+from fastapi import Request
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+
+from gateway.errors import bad_request
+from gateway.serving import Gateway
+
+# A UTF-16 surrogate on its own: JSON's \ud800 escape decodes to one, which
+# is no Unicode text (it cannot be encoded, tokenized or echoed).
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate_at(body) -> str | None:
+    """The path of the first string (or key) in a parsed JSON body that holds
+    a lone surrogate. Iterative: a body may nest as deep as the JSON parser allows."""
+    todo = [("body", body)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, str):
+            if _LONE_SURROGATE.search(value):
+                return where
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                path = key if where == "body" else f"{where}.{key}"
+                if _LONE_SURROGATE.search(key):
+                    return path
+                todo.append((path, item))
+        elif isinstance(value, list):
+            todo.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+async def _check_unicode(request: Request) -> None:
+    try:
+        body = await request.json()  # cached: FastAPI reads the same parse
+    except Exception:
+        return  # not JSON: FastAPI's own check answers 400
+    where = _lone_surrogate_at(body)
+    if where is not None:
+        raise bad_request(f"{where}: not Unicode text (it holds a lone UTF-16 surrogate)", "invalid_value",
+                          re.split(r"[.\[]", where)[0])
+
+
+def authenticated_route(gateway: Gateway) -> type[APIRoute]:
+    class AuthenticatedRoute(APIRoute):
+        """Authenticates before FastAPI reads the body, so a request without
+        a valid key gets 401 whatever its body holds (and learns nothing of
+        the API from the validation errors)."""
+
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def route(request: Request) -> Response:
+                request.state.tenant = gateway.authenticate(request.headers.get("authorization"))
+                if request.method == "POST":
+                    await _check_unicode(request)
+                return await handler(request)
+
+            return route
+
+    return AuthenticatedRoute
