@@ -32,7 +32,9 @@ COPY gateway/ gateway/
 COPY operator/ operator/
 RUN pip install . && rm -rf build *.egg-info
 
-# Non-root; the operator chart runs as this uid with a read-only root filesystem.
+# Non-root; the chart's operator and the operator's gateway and engine pods run as this uid
+# (tessera_operator.pod_parts.RUN_AS_USER) with a read-only root filesystem: they write only
+# to /tmp, an emptyDir, where TORCH_EXTENSIONS_DIR above points.
 RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin tessera
 USER 10001
 WORKDIR /home/tessera

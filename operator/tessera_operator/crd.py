@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import yaml
 
+from tessera.internal_secret import SECRET_KEY
 from tessera.roles import POD_ROLES
 from tessera_operator.schema_dsl import (
     Schema,
@@ -47,6 +48,9 @@ LOOKUP_BOUNDS_RULE = "self.promptLookupMin <= self.promptLookupMax"
 TP_REDIS_RULE = "self.engine.tensorParallelSize == 1 || !has(self.kvStore.redis)"
 DEFAULT_CLASS_RULE = "self.priorityClasses.exists(c, c.name == self.defaultPriorityClass)"
 NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# A namespace name (DNS label, at most 63 characters).
+NAMESPACE_PATTERN = NAME_PATTERN
+DEFAULT_REDIS_PORT = 6379
 NAME_RULE = f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && self.metadata.name.matches('{NAME_PATTERN}')"
 
 
@@ -184,9 +188,64 @@ def _kv_store() -> Schema:
         "redis": obj("Redis tier shared by every engine pod of the model; disaggregated mode hands KV from "
                      "prefill to decode pods through it.", {
             "urlSecretRef": secret_key_ref("Secret key holding the redis:// or rediss:// URL (it may carry a "
-                                           "password).",
+                                           "password); the engine pods get it as an environment variable, "
+                                           "never on their command line.",
                                            default_key="url"),
+            "tls": _redis_tls(),
+            "podSelector": string_map("Labels of the Redis pods (in this namespace): a NetworkPolicy then "
+                                      "admits only this InferenceService's engine pods to them, on `port` "
+                                      "(absent: no policy for Redis). The policy isolates those pods: "
+                                      "replication or monitoring traffic to them needs a policy of its own."),
+            "port": integer("Redis's port, for that NetworkPolicy.", default=DEFAULT_REDIS_PORT, minimum=1,
+                            maximum=65535),
         }, required=["urlSecretRef"]),
+    }, default={})
+
+
+def _redis_tls() -> Schema:
+    return obj("TLS files for a rediss:// URL, from Secrets mounted read-only into the engine pods (absent: "
+               "the system's CAs, no client certificate). With cert-manager, both refs can name the one "
+               "Certificate Secret (ca.crt, tls.crt, tls.key).", {
+        "caSecretRef": secret_key_ref("Secret key holding the CA bundle that signs the Redis server's "
+                                      "certificate.", default_key="ca.crt"),
+        "clientCertSecretRef": obj("A kubernetes.io/tls Secret (tls.crt, tls.key): the engine pods' client "
+                                   "certificate, for a Redis that demands one (tls-auth-clients).", {
+            "name": string("Name of the Secret, in the InferenceService's namespace.", min_length=1),
+        }, required=["name"]),
+    })
+
+
+def _internal_secret_ref() -> Schema:
+    return secret_key_ref(
+        "Secret key holding the deployment's internal secret (at least 32 characters; "
+        "`tessera internal-secret` makes one): the bearer token engine pods demand of the gateway and of "
+        "each other, the key of the MAC over shared KV values, the key of the tenants' cache salts. Absent: "
+        "the operator creates the Secret NAME-internal with a random value once and never changes it "
+        "(delete it, then restart the pods, to rotate).", default_key=SECRET_KEY)
+
+
+def _internal_tls() -> Schema:
+    return obj("Mutual TLS on the engine pods' gRPC port: the gateway and the engine pods present the same "
+               "certificate and accept only peers signed by its CA (absent: plaintext inside the cluster, "
+               "the bearer token still required). docs/operator.md has the cert-manager Certificate.", {
+        "secretName": string("A kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt (what cert-manager "
+                             "writes), usable for server and client auth.", min_length=1),
+        "serverName": string("A DNS name the certificate carries; the gateway checks the engines' certificate "
+                             "against it (they are dialled by pod IP).", min_length=1, max_length=253),
+    }, required=["secretName", "serverName"])
+
+
+def _network_policy() -> Schema:
+    return obj("NetworkPolicies: engine pods' gRPC port only from this InferenceService's gateway (and engine) "
+               "pods, metrics ports only from the operator's namespace and `metricsNamespaces`, Redis (with "
+               "kvStore.redis.podSelector) only from its engine pods. The gateway's public ports stay open. "
+               "They take effect where the network plugin enforces NetworkPolicies.", {
+        "enabled": boolean("Render the NetworkPolicies (false: none, pods accept any peer the network lets "
+                           "through).", default=True),
+        "metricsNamespaces": array("Namespaces besides the operator's whose pods may scrape the metrics ports "
+                                   "(Prometheus's, say).",
+                                   string("A namespace name.", pattern=NAMESPACE_PATTERN, max_length=63),
+                                   default=[], max_items=16),
     }, default={})
 
 
@@ -246,6 +305,9 @@ def spec_schema() -> Schema:
                                          default=256, minimum=0),
         }, default={}),
         "autoscaling": _autoscaling(),
+        "internalSecretRef": _internal_secret_ref(),
+        "internalTLS": _internal_tls(),
+        "networkPolicy": _network_policy(),
     }, required=["model"], rules=[(TP_REDIS_RULE, "kvStore.redis does not support engine.tensorParallelSize "
                                                   "above 1 yet (KV blocks are not sharded per rank)")])
 

@@ -6,18 +6,25 @@ import json
 
 from kubernetes.utils.quantity import parse_quantity
 
-from tessera_operator import names, pod_parts
+from tessera_operator import names, pod_parts, secret_files
 from tessera_operator.names import Owner
 
 GRPC_PORT = 50061
 METRICS_PORT = 9090
+# grpc.health.v1 alone, in plaintext: the kubelet's gRPC probes speak neither TLS nor the token.
+HEALTH_PORT = 50062
+# The engine reads the Redis URL (password included) from this variable when --kv-redis-url is absent.
 REDIS_URL_ENV = "TESSERA_KV_REDIS_URL"
+# Triton writes its compiled kernels here (the root filesystem is read-only).
+TRITON_CACHE_DIR = f"{pod_parts.TMP_MOUNT}/triton"
 # A model may take minutes to load; the startup probe allows this long before liveness takes over.
 STARTUP_SECONDS = 900
 
 
-def engine_args(spec: dict, role: str) -> list[str]:
-    """The `tessera engine` command line for one pool's pods."""
+def engine_args(owner: Owner, spec: dict, role: str) -> list[str]:
+    """The `tessera engine` command line of one pool, as `tessera up` runs it too (`_pod_args` adds
+    what only a pod has). No credential is ever an argument: the Redis URL and the internal secret
+    come by environment and file."""
     model, engine, kv = spec["model"], spec["engine"], spec["kvStore"]
     args = ["engine", "--model", pod_parts.model_path(model), "--role", role,
             "--host", "0.0.0.0", "--grpc-port", str(GRPC_PORT), "--metrics-port", str(METRICS_PORT),
@@ -40,9 +47,16 @@ def engine_args(spec: dict, role: str) -> list[str]:
     if host_bytes > 0:
         args += ["--kv-host-bytes", str(host_bytes)]
     if "redis" in kv:
-        # The kubelet expands $(VAR) from the container's env: the password stays in the Secret.
-        args += ["--kv-redis-url", f"$({REDIS_URL_ENV})"]
+        # The URL itself comes by environment (REDIS_URL_ENV); its own prefix gives each
+        # InferenceService a key space a Redis ACL can confine it to.
+        args += ["--kv-redis-key-prefix", names.redis_key_prefix(owner)]
     return args
+
+
+def _pod_args(spec: dict) -> list[str]:
+    """Flags only a pod has: its probes' port and the Secret files mounted into it."""
+    return (["--health-port", str(HEALTH_PORT)] + secret_files.engine_tls_args(spec)
+            + secret_files.redis_tls_args(spec))
 
 
 def speculative_config_json(speculative: dict) -> str:
@@ -56,11 +70,18 @@ def speculative_config_json(speculative: dict) -> str:
 
 
 def engine_env(spec: dict) -> list[dict]:
+    env = secret_files.internal_secret_env() + pod_parts.SCRATCH_ENV + [
+        {"name": "TRITON_CACHE_DIR", "value": TRITON_CACHE_DIR}]
     redis = spec["kvStore"].get("redis")
-    if redis is None:
-        return []
-    ref = redis["urlSecretRef"]
-    return [{"name": REDIS_URL_ENV, "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}}]
+    if redis is not None:
+        ref = redis["urlSecretRef"]
+        env.append({"name": REDIS_URL_ENV, "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}})
+    return env
+
+
+def _secret_files(owner: Owner, spec: dict) -> secret_files.SecretFiles:
+    return (secret_files.internal_secret(owner, spec) + secret_files.internal_tls(spec)
+            + secret_files.redis_tls(spec))
 
 
 def pool_gpus(spec: dict, role: str) -> int:
@@ -69,7 +90,7 @@ def pool_gpus(spec: dict, role: str) -> int:
 
 
 def _probes() -> dict:
-    grpc = {"grpc": {"port": GRPC_PORT}}
+    grpc = {"grpc": {"port": HEALTH_PORT}}
     # The health service answers NOT_SERVING while the model loads and while draining.
     return {
         "startupProbe": {**grpc, "periodSeconds": 10, "timeoutSeconds": 5,
@@ -79,38 +100,42 @@ def _probes() -> dict:
     }
 
 
-def _container(spec: dict, role: str) -> dict:
+def _container(owner: Owner, spec: dict, role: str) -> dict:
     engine = spec["engine"]
     container = {
         "name": "engine",
         "image": spec["image"],
         "imagePullPolicy": spec["imagePullPolicy"],
         "command": ["tessera"],
-        "args": engine_args(spec, role),
+        "args": engine_args(owner, spec, role) + _pod_args(spec),
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
-                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
+                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+                  {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"}],
         "resources": pod_parts.resources(spec["pools"][role]["resources"], pool_gpus(spec, role),
                                          engine["gpuResourceName"]),
         **_probes(),
         "lifecycle": pod_parts.prestop_sleep(),
-        "volumeMounts": [pod_parts.model_mount(), {"name": "dshm", "mountPath": "/dev/shm"}],
+        "env": engine_env(spec),
+        "securityContext": pod_parts.container_security_context(),
+        "volumeMounts": [pod_parts.model_mount(), {"name": "dshm", "mountPath": "/dev/shm"}, pod_parts.tmp_mount(),
+                         *_secret_files(owner, spec).mounts],
     }
-    env = engine_env(spec)
-    if env:
-        container["env"] = env
     return container
 
 
 def deployment(owner: Owner, spec: dict, role: str, replicas: int) -> dict:
     pool = spec["pools"][role]
     pod_spec = {
-        "containers": [_container(spec, role)],
+        "securityContext": pod_parts.pod_security_context(),
+        "containers": [_container(owner, spec, role)],
         "terminationGracePeriodSeconds": pod_parts.termination_grace(spec["engine"]["drainTimeoutSeconds"]),
         # Engines need no API access and no Service env vars.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        # Tensor-parallel workers exchange tensors through shared memory.
-        "volumes": [pod_parts.model_volume(spec["model"]), {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+        # Tensor-parallel workers exchange tensors through shared memory; /tmp holds the
+        # compiled kernels (torch extensions, triton).
+        "volumes": [pod_parts.model_volume(spec["model"]), {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                    pod_parts.tmp_volume(), *_secret_files(owner, spec).volumes],
     }
     if pool.get("nodeSelector"):
         pod_spec["nodeSelector"] = dict(pool["nodeSelector"])
@@ -126,7 +151,8 @@ def deployment(owner: Owner, spec: dict, role: str, replicas: int) -> dict:
             "selector": {"matchLabels": names.selector(owner, "engine", role)},
             # Never fewer serving pods during a rollout; one extra at a time (GPUs are scarce).
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+            "template": {"metadata": {"labels": labels, "annotations": pod_parts.scrape_annotations(METRICS_PORT)},
+                         "spec": pod_spec},
         },
     }
 

@@ -6,11 +6,13 @@ import hashlib
 
 import yaml
 
-from tessera_operator import names, pod_parts
+from tessera_operator import names, pod_parts, secret_files
 from tessera_operator.names import Owner
 
 HTTP_PORT = 8000
 GRPC_PORT = 50051
+# /metrics names every tenant: it is served here, off the public ports, and the Service leaves it out.
+METRICS_PORT = 9090
 CONFIG_DIR = "/etc/tessera/gateway"
 CONFIG_FILE = "gateway.yaml"
 TENANTS_DIR = "/etc/tessera/tenants"
@@ -27,7 +29,7 @@ def gateway_config(owner: Owner, spec: dict) -> dict:
             "max_model_len": spec["model"].get("maxModelLen"),
             "block_size": spec["engine"]["blockSize"],
         },
-        "server": {"host": "0.0.0.0", "http_port": HTTP_PORT, "grpc_port": GRPC_PORT},
+        "server": {"host": "0.0.0.0", "http_port": HTTP_PORT, "grpc_port": GRPC_PORT, "metrics_port": METRICS_PORT},
         "pods": {"kubernetes": {
             "namespace": owner.namespace,
             "port_name": "grpc",
@@ -42,6 +44,9 @@ def gateway_config(owner: Owner, spec: dict) -> dict:
     ]
     config["default_priority_class"] = gw["defaultPriorityClass"]
     config["disaggregation"] = {"min_uncached_tokens": spec["disaggregation"]["minUncachedTokens"]}
+    tls = secret_files.gateway_tls_config(spec)
+    if tls:
+        config["internal"] = {"tls": tls}
     return config
 
 
@@ -65,13 +70,15 @@ def _probe(path: str, period: int, failures: int) -> dict:
 
 def _volumes(spec: dict, owner: Owner) -> tuple[list[dict], list[dict]]:
     volumes = [pod_parts.model_volume(spec["model"]),
-               {"name": "config", "configMap": {"name": names.gateway_name(owner)}}]
-    mounts = [pod_parts.model_mount(), {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+               {"name": "config", "configMap": {"name": names.gateway_name(owner)}}, pod_parts.tmp_volume()]
+    mounts = [pod_parts.model_mount(), {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+              pod_parts.tmp_mount()]
+    files = secret_files.internal_secret(owner, spec) + secret_files.internal_tls(spec)
     tenants = spec["gateway"].get("tenantsSecretRef")
     if tenants:
-        volumes.append({"name": "tenants", "secret": {"secretName": tenants["name"],
-                                                      "items": [{"key": TENANTS_KEY, "path": TENANTS_KEY}]}})
-        mounts.append({"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True})
+        files += secret_files.mounted_secret("tenants", tenants["name"], {TENANTS_KEY: TENANTS_KEY}, TENANTS_DIR)
+    volumes += files.volumes
+    mounts += files.mounts
     return volumes, mounts
 
 
@@ -85,11 +92,14 @@ def deployment(owner: Owner, spec: dict) -> dict:
         "command": ["tessera"],
         "args": ["gateway", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
-                  {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}],
+                  {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
         "resources": pod_parts.resources(gw["resources"]),
         "readinessProbe": _probe("/health", 5, 2),
         "livenessProbe": _probe("/health", 10, 6),
         "lifecycle": pod_parts.prestop_sleep(),
+        "env": secret_files.internal_secret_env() + pod_parts.SCRATCH_ENV,
+        "securityContext": pod_parts.container_security_context(),
         "volumeMounts": mounts,
     }
     labels = names.labels(owner, "gateway")
@@ -104,8 +114,10 @@ def deployment(owner: Owner, spec: dict) -> dict:
             "selector": {"matchLabels": names.selector(owner, "gateway")},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
-                "metadata": {"labels": labels, "annotations": {names.CONFIG_HASH_ANNOTATION: digest}},
+                "metadata": {"labels": labels, "annotations": {names.CONFIG_HASH_ANNOTATION: digest,
+                                                               **pod_parts.scrape_annotations(METRICS_PORT)}},
                 "spec": {
+                    "securityContext": pod_parts.pod_security_context(),
                     "serviceAccountName": names.gateway_name(owner),
                     "containers": [container],
                     # Streams in flight last as long as the engines' drain allows.
@@ -127,6 +139,7 @@ def service(owner: Owner, spec: dict) -> dict:
         "spec": {
             "type": spec["gateway"]["serviceType"],
             "selector": names.selector(owner, "gateway"),
+            # No metrics port: a LoadBalancer would publish it. Prometheus and the operator scrape the pods.
             "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
                       {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"}],
         },

@@ -2,9 +2,10 @@
 
 The handlers are sync functions (kopf runs them in worker threads) and take
 the cluster API from the operator's memo (`memo.api`), so tests hand them a
-fake. Per-resource memory (scaler history, last metric samples) lives in
-kopf's per-resource memo: an operator restart forgets it, which only delays
-scale-down by one window (see autoscale.decide).
+fake; `memo.operator_namespace` is where the operator runs (NetworkPolicies
+let it scrape). Per-resource memory (scaler history, last metric samples)
+lives in kopf's per-resource memo: an operator restart forgets it, which only
+delays scale-down by one window (see autoscale.decide).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 import kopf
 
-from tessera_operator import crd, names
+from tessera_operator import crd, internal_secret, names
 from tessera_operator.autoscale import Decision, ScalerState, ScalingPolicy, decide
 from tessera_operator.kube import ApiError, ClusterApi
 from tessera_operator.names import Owner
@@ -43,8 +44,16 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.posting.level = logging.INFO
 
 
+def _desired(body: dict, memo: kopf.Memo, replicas: dict[str, int]) -> list[dict]:
+    return desired_objects(body, replicas, memo.get("operator_namespace"))
+
+
 def _apply(api: ClusterApi, body: dict, objects: list[dict]) -> None:
     owner = Owner.of(body)
+    # Before the pods that mount it; checked every pass, so a deleted one comes back.
+    if internal_secret.ensure(api, owner, validated(body)["spec"]):
+        kopf.info(body, reason="Created",
+                  message=f"Secret {names.internal_secret_name(owner)} with a new internal secret")
     for obj in objects:
         api.apply(obj)
     for key in stale_keys(api.list_managed(owner.namespace, names.instance_selector(owner)), objects):
@@ -76,7 +85,7 @@ def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, reason: str, 
     raw = dict(body)
     try:
         replicas = pool_replicas(raw)
-        objects = desired_objects(raw, replicas)
+        objects = _desired(raw, memo, replicas)
     except InvalidInferenceService as e:
         raise _invalid(raw, patch, e) from e
     try:
@@ -127,7 +136,7 @@ def on_tick(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging
                     replicas[role] = decision.replicas
                     scaled.append(role)
                     _report_scaling(raw, role, decision, logger)
-        _apply(api, raw, desired_objects(raw, replicas))
+        _apply(api, raw, _desired(raw, memo, replicas))
         _write_status(api, raw, patch, replicas)
         for role in scaled:
             patch.status["pools"][role]["lastScaleTime"] = now_iso()

@@ -4,7 +4,9 @@ Objects stay plain dicts end to end (the reconcile function's output), so
 the calls go through the client's generic request path instead of typed
 models. Writes are server-side apply with one field manager: applying the
 same object twice is a no-op, and fields someone changed by hand (replicas
-of a managed Deployment, say) are taken back.
+of a managed Deployment, say) are taken back. The one exception is the
+internal Secret: created once if absent (`create`), never applied, since
+applying a fresh random value would rotate it on every pass.
 """
 
 from __future__ import annotations
@@ -27,7 +29,17 @@ MANAGED_KINDS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "Service"): "services",
     ("apps/v1", "Deployment"): "deployments",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
 }
+# The kinds whose objects come and go with the spec (pools with the mode, policies with their
+# switches): only these are listed and pruned. The gateway's ServiceAccount, Role, RoleBinding
+# and ConfigMap live as long as the InferenceService, so the operator needs no right to list or
+# delete those.
+PRUNED_KINDS: tuple[tuple[str, str], ...] = (
+    ("apps/v1", "Deployment"), ("v1", "Service"), ("networking.k8s.io/v1", "NetworkPolicy"))
+# Created, never applied nor pruned (the garbage collector removes it with its owner).
+CREATED_KINDS: dict[tuple[str, str], str] = {("v1", "Secret"): "secrets"}
+HTTP_CONFLICT = 409
 METRICS_TIMEOUT_S = 2.0
 
 
@@ -42,13 +54,16 @@ class ClusterApi(Protocol):
     def list_managed(self, namespace: str, label_selector: str) -> list[ObjectKey]: ...
     def delete(self, namespace: str, key: ObjectKey) -> None: ...
     def get_deployment(self, namespace: str, name: str) -> dict | None: ...
+    def secret_exists(self, namespace: str, name: str) -> bool: ...
+    def create(self, obj: dict) -> bool: ...
     def list_pods(self, namespace: str, label_selector: str) -> list[dict]: ...
     def scrape(self, ip: str, port: int) -> str: ...
 
 
 def collection_path(api_version: str, kind: str, namespace: str) -> str:
     prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    return f"{prefix}/namespaces/{namespace}/{MANAGED_KINDS.get((api_version, kind)) or kind.lower() + 's'}"
+    resource = MANAGED_KINDS.get((api_version, kind)) or CREATED_KINDS.get((api_version, kind)) or kind.lower() + "s"
+    return f"{prefix}/namespaces/{namespace}/{resource}"
 
 
 class KubeApi:
@@ -80,7 +95,7 @@ class KubeApi:
 
     def list_managed(self, namespace: str, label_selector: str) -> list[ObjectKey]:
         keys = []
-        for api_version, kind in MANAGED_KINDS:
+        for api_version, kind in PRUNED_KINDS:
             found = self._request("GET", collection_path(api_version, kind, namespace),
                                   [("labelSelector", label_selector)]) or {}
             keys += [ObjectKey(api_version, kind, item["metadata"]["name"]) for item in found.get("items", [])]
@@ -92,6 +107,21 @@ class KubeApi:
 
     def get_deployment(self, namespace: str, name: str) -> dict | None:
         return self._request("GET", f"{collection_path('apps/v1', 'Deployment', namespace)}/{name}")
+
+    def secret_exists(self, namespace: str, name: str) -> bool:
+        # The answer is only whether it exists: the value is read by nobody but the pods.
+        return self._request("GET", f"{collection_path('v1', 'Secret', namespace)}/{name}") is not None
+
+    def create(self, obj: dict) -> bool:
+        """POST the object; False when it exists already (409), which is not an error here."""
+        meta = obj["metadata"]
+        try:
+            self._request("POST", collection_path(obj["apiVersion"], obj["kind"], meta["namespace"]), body=obj)
+        except ApiError as e:
+            if e.status == HTTP_CONFLICT:
+                return False
+            raise
+        return True
 
     def list_pods(self, namespace: str, label_selector: str) -> list[dict]:
         found = self._request("GET", f"/api/v1/namespaces/{namespace}/pods", [("labelSelector", label_selector)])

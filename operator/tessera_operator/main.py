@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 
 import kopf
 from kubernetes import config
 
 from tessera_operator.handlers import DEFAULT_INTERVAL_S, register
 from tessera_operator.kube import KubeApi
+
+# The chart sets it from the downward API (metadata.namespace of the operator's pod).
+OPERATOR_NAMESPACE_ENV = "TESSERA_OPERATOR_NAMESPACE"
+logger = logging.getLogger(__name__)
 
 
 def add_parser(sub) -> None:
@@ -20,6 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--liveness-port", type=int, default=8080, help="serve GET /healthz here (0: off)")
     p.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S,
                    help="seconds between autoscaling and drift-correction passes")
+    p.add_argument("--operator-namespace", default=os.environ.get(OPERATOR_NAMESPACE_ENV) or None,
+                   help="the namespace the operator runs in: NetworkPolicies admit its pods to the metrics "
+                        f"ports (default: ${OPERATOR_NAMESPACE_ENV})")
     p.set_defaults(func=serve)
 
 
@@ -50,6 +59,10 @@ def kopf_options(args: argparse.Namespace) -> dict:
 
 def serve(args: argparse.Namespace) -> int:
     options = kopf_options(args)
+    if not args.operator_namespace:
+        logger.warning("no --operator-namespace (nor $%s): NetworkPolicies admit only "
+                       "spec.networkPolicy.metricsNamespaces to the metrics ports, so autoscaling "
+                       "cannot scrape where policies are enforced", OPERATOR_NAMESPACE_ENV)
     load_client_config()
-    kopf.run(memo=kopf.Memo(api=KubeApi()), **options)
+    kopf.run(memo=kopf.Memo(api=KubeApi(), operator_namespace=args.operator_namespace), **options)
     return 0

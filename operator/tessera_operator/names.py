@@ -46,6 +46,26 @@ def gateway_name(owner: Owner) -> str:
     return f"{owner.name}-gateway"
 
 
+def internal_secret_name(owner: Owner) -> str:
+    """The Secret the operator creates when spec.internalSecretRef is absent."""
+    return f"{owner.name}-internal"
+
+
+def engine_policy_name(owner: Owner) -> str:
+    # One policy for every engine pool of the resource: they admit the same peers.
+    return f"{owner.name}-engine"
+
+
+def redis_policy_name(owner: Owner) -> str:
+    return f"{owner.name}-redis"
+
+
+def redis_key_prefix(owner: Owner) -> str:
+    """Redis keys of this InferenceService's pods start with this, so a Redis ACL can give each
+    InferenceService its own key space (`~tessera:NAMESPACE/NAME:*`)."""
+    return f"tessera:{owner.namespace}/{owner.name}:"
+
+
 def selector(owner: Owner, component: str, role: str | None = None) -> dict[str, str]:
     """The immutable Deployment selector: only labels that never change for the object."""
     sel = {INSTANCE_LABEL: owner.name, COMPONENT_LABEL: component}

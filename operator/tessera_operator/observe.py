@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from tessera_operator import names, pods, signals
 from tessera_operator.autoscale import PoolObservation
 from tessera_operator.engine_pool import METRICS_PORT
-from tessera_operator.gateway import HTTP_PORT
+from tessera_operator.gateway import METRICS_PORT as GATEWAY_METRICS_PORT
 from tessera_operator.kube import ClusterApi
 from tessera_operator.names import Owner
 
@@ -42,7 +42,8 @@ def gateway_queued(api: ClusterApi, owner: Owner) -> int:
     so queued demand counts for each pool (it matters only to lift a pool from zero).
     """
     ready = [p for p in api.list_pods(owner.namespace, names.gateway_selector(owner)) if pods.is_ready(p)]
-    return sum(signals.parse_gateway_queued(text) for text in _scrape_ready(api, ready, HTTP_PORT).values())
+    texts = _scrape_ready(api, ready, GATEWAY_METRICS_PORT)
+    return sum(signals.parse_gateway_queued(text) for text in texts.values())
 
 
 def observe_pool(api: ClusterApi, owner: Owner, role: str, replicas: int, signal: str,

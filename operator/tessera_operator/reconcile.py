@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera_operator import engine_pool, gateway, names
+from tessera_operator import engine_pool, gateway, names, network_policy
 from tessera_operator.names import Owner
 from tessera_operator.validation import validate_inference_service
 
@@ -45,15 +45,20 @@ def pool_replicas(body: dict) -> dict[str, int]:
     return {role: desired_replicas(spec, body.get("status") or {}, role) for role in names.active_pools(spec["mode"])}
 
 
-def desired_objects(body: dict, replicas: dict[str, int] | None = None) -> list[dict]:
-    """Every object the InferenceService owns, in apply order (RBAC and config before the pods that use them).
+def desired_objects(body: dict, replicas: dict[str, int] | None = None,
+                    operator_namespace: str | None = None) -> list[dict]:
+    """Every object the InferenceService owns, in apply order (RBAC, config and NetworkPolicies
+    before the pods that use them). The internal Secret is not among them: it is created once,
+    never applied (see internal_secret.py).
 
-    `replicas` overrides the pools' replicas with a fresh autoscaler decision.
+    `replicas` overrides the pools' replicas with a fresh autoscaler decision;
+    `operator_namespace` is where the operator runs (its pods scrape the metrics ports).
     """
     isvc = validated(body)
     spec, status = isvc["spec"], body.get("status") or {}
     owner = Owner.of(isvc)
     objects = gateway.rbac(owner) + [gateway.config_map(owner, spec)]
+    objects += network_policy.policies(owner, spec, operator_namespace)
     for role in names.active_pools(spec["mode"]):
         count = (replicas or {}).get(role, desired_replicas(spec, status, role))
         objects += [engine_pool.service(owner, role), engine_pool.deployment(owner, spec, role, count)]

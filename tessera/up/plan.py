@@ -5,6 +5,9 @@ schema (the operator's own function, so the errors are the same), with the
 engine command lines and the gateway config the operator would render,
 changed only where a machine differs from a cluster: loopback ports instead
 of Services, a local folder instead of the PVC, cores split between pods.
+Credentials stay off the command lines here too: the Redis URL goes in the
+engines' environment (`EngineChild.env`), and the runner hands every child
+the internal secret as a file.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class EngineChild:
     metrics_port: int
     args: list[str]      # `tessera ...` arguments
     cpus: frozenset[int] | None
+    # Environment beyond the parent's (the Redis URL, which may carry a password).
+    env: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
     def address(self) -> str:
@@ -40,6 +45,8 @@ class LocalPlan:
     engines: list[EngineChild]
     gateway_config: dict
     needs_redis: bool
+    # The gateway's /metrics (off its public port, as in a cluster).
+    metrics_port: int
     warnings: list[str] = field(default_factory=list)
 
 
@@ -49,6 +56,7 @@ class LocalOptions:
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50051
+    metrics_port: int = 0                   # the gateway's /metrics; 0: a free port
     tenants_file: str | None = None
     redis_url: str | None = None
     cpus: tuple[int, ...] = ()              # default: this process's CPU affinity
@@ -71,7 +79,7 @@ def split_cpus(cpus: tuple[int, ...], count: int) -> list[frozenset[int]]:
 
 
 def build_plan(resource: dict, options: LocalOptions, free_port: Callable[[], int]) -> LocalPlan:
-    """`free_port` gives a free loopback port (two per engine: gRPC, metrics)."""
+    """`free_port` gives a free loopback port (two per engine: gRPC, metrics; one for the gateway's metrics)."""
     obj = validate_inference_service(resource)
     spec, owner = obj["spec"], Owner.of(obj)
     model_path = local_model_path(spec["model"], options.models_dir)
@@ -82,37 +90,43 @@ def build_plan(resource: dict, options: LocalOptions, free_port: Callable[[], in
     replicas = [(role, i) for role in roles for i in range(spec["pools"][role]["replicas"])]
     cpus = options.cpus or tuple(sorted(os.sched_getaffinity(0)))
     cpu_sets = split_cpus(cpus, len(replicas)) if options.pin_cpus else [None] * len(replicas)
+    redis_env = {}
+    if "redis" in spec["kvStore"] and options.redis_url:
+        redis_env[engine_pool.REDIS_URL_ENV] = options.redis_url  # may carry a password: never an argument
     engines = []
     for (role, index), cpu_set in zip(replicas, cpu_sets):
         grpc_port, metrics_port = free_port(), free_port()
         threads = len(cpu_set) if cpu_set else max(1, len(cpus) // len(replicas))
-        args = _local_engine_args(engine_pool.engine_args(spec, role), model_path, grpc_port, metrics_port,
-                                  threads, options.redis_url)
-        engines.append(EngineChild(f"{role}-{index}", role, grpc_port, metrics_port, args, cpu_set))
-    return LocalPlan(owner.name, spec["model"]["name"], engines, _gateway_config(owner, spec, model_path, engines,
-                                                                                options),
-                     needs_redis="redis" in spec["kvStore"], warnings=_warnings(spec))
+        args = _local_engine_args(engine_pool.engine_args(owner, spec, role), model_path, grpc_port, metrics_port,
+                                  threads)
+        engines.append(EngineChild(f"{role}-{index}", role, grpc_port, metrics_port, args, cpu_set, dict(redis_env)))
+    gateway_metrics_port = options.metrics_port or free_port()
+    return LocalPlan(owner.name, spec["model"]["name"], engines,
+                     _gateway_config(owner, spec, model_path, engines, options, gateway_metrics_port),
+                     needs_redis="redis" in spec["kvStore"], metrics_port=gateway_metrics_port,
+                     warnings=_warnings(spec))
 
 
-def _local_engine_args(args: list[str], model_path: Path, grpc_port: int, metrics_port: int, threads: int,
-                       redis_url: str | None) -> list[str]:
+def _local_engine_args(args: list[str], model_path: Path, grpc_port: int, metrics_port: int,
+                       threads: int) -> list[str]:
     replace = {"--model": str(model_path), "--host": "127.0.0.1", "--grpc-port": str(grpc_port),
                "--metrics-port": str(metrics_port)}
     out = list(args)
     for i, arg in enumerate(out[:-1]):
         if arg in replace:
             out[i + 1] = replace[arg]
-        elif arg == "--kv-redis-url":
-            out[i + 1] = redis_url or ""
     return out + ["--cpu-threads", str(threads)]
 
 
 def _gateway_config(owner: Owner, spec: dict, model_path: Path, engines: list[EngineChild],
-                    options: LocalOptions) -> dict:
+                    options: LocalOptions, metrics_port: int) -> dict:
     config = gateway.gateway_config(owner, spec)
     config["model"]["path"] = str(model_path)
-    config["server"] = {"host": options.host, "http_port": options.http_port, "grpc_port": options.grpc_port}
+    config["server"] = {"host": options.host, "http_port": options.http_port, "grpc_port": options.grpc_port,
+                        "metrics_port": metrics_port}
     config["pods"] = {"static": [{"address": e.address, "role": e.role} for e in engines]}
+    # Mutual TLS names a Kubernetes Secret; locally the token alone authenticates.
+    config.pop("internal", None)
     config.pop("tenants_file", None)
     if options.tenants_file:
         config["tenants_file"] = options.tenants_file
@@ -124,6 +138,12 @@ def _warnings(spec: dict) -> list[str]:
     if spec["gateway"].get("tenantsSecretRef"):
         out.append("gateway.tenantsSecretRef names a Kubernetes Secret; locally, pass --tenants-file "
                    "(without it the gateway runs open access)")
+    if spec.get("internalSecretRef"):
+        out.append("internalSecretRef names a Kubernetes Secret; locally each run generates its own internal secret")
+    if spec.get("internalTLS"):
+        out.append("internalTLS names a Kubernetes Secret; locally the internal hops use the bearer token alone")
+    if (spec["kvStore"].get("redis") or {}).get("tls"):
+        out.append("kvStore.redis.tls names Kubernetes Secrets; locally --redis-url is used as given")
     if spec["engine"]["tensorParallelSize"] != 1 and (spec["kvStore"].get("redis")
                                                       or spec["kvStore"].get("hostMemory") not in (0, "0")):
         out.append("engine.tensorParallelSize > 1 with kvStore tiers: engine pods refuse this combination for now")

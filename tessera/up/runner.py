@@ -4,12 +4,17 @@ The gateway and every engine pod run as child processes on loopback ports
 (see plan.py for what differs from a cluster); Redis too when the resource
 names one and no --redis-url is given. Ctrl-C (SIGINT) or SIGTERM drains
 and stops every child; a child that crashes is restarted with back-off.
+
+Each run generates its own internal secret (what the operator's Secret is in
+a cluster), writes it to a file only this user may read, and names the file
+to every child by environment: no credential is ever on a command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -20,6 +25,7 @@ from grpc_health.v1 import health_pb2
 from engine_pod.server.process import health_status
 from gateway.process import gateway_health
 from tessera.child_process import ChildProcess, free_port
+from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, SECRET_KEY, InternalSecret
 from tessera.up.plan import EngineChild, LocalOptions, LocalPlan, build_plan
 from tessera.up.supervisor import Supervisor
 
@@ -33,6 +39,7 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="the gateway's listen address")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=0, help="the gateway's /metrics (default: a free port)")
     p.add_argument("--tenants-file", default=None, help="tenants file (stands in for gateway.tenantsSecretRef)")
     p.add_argument("--redis-url", default=None,
                    help="Redis for kvStore.redis (default: a private redis-server is started)")
@@ -61,8 +68,8 @@ class _StopRequested(Exception):
 
 def run(args: argparse.Namespace) -> int:
     options = LocalOptions(models_dir=Path(args.models_dir), host=args.host, http_port=args.http_port,
-                           grpc_port=args.grpc_port, tenants_file=args.tenants_file, redis_url=args.redis_url,
-                           pin_cpus=not args.no_pin)
+                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, tenants_file=args.tenants_file,
+                           redis_url=args.redis_url, pin_cpus=not args.no_pin)
     resource = load_resource(args.file)
     redis = None
     if "redis" in (resource.get("spec") or {}).get("kvStore", {}) and not options.redis_url:
@@ -85,9 +92,22 @@ def _start_redis(workdir: Path):
     return RedisServer(workdir)
 
 
+def write_secret_file(path: Path, secret: InternalSecret) -> Path:
+    """The secret in a file only this user may read (0600 from its creation, never wider)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret.value)
+    return path
+
+
 def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout: float) -> int:
     for warning in plan.warnings:
         logger.warning("up: %s", warning)
+    secret_file = write_secret_file(log_dir / SECRET_KEY, InternalSecret.generate())
+    # The file is each child's only secret: one inherited from this shell is blanked (an empty
+    # value counts as unset), so no child holds another deployment's.
+    env = {SECRET_FILE_ENV: str(secret_file), SECRET_ENV: ""}
     stop = {"requested": False}
 
     def on_signal(signum, frame):
@@ -97,10 +117,10 @@ def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout:
     supervisor = Supervisor()
     try:
         for engine in plan.engines:
-            supervisor.add(engine.name, _engine_starter(engine, log_dir), stop_order=1)
+            supervisor.add(engine.name, _engine_starter(engine, log_dir, env), stop_order=1)
         config_path = log_dir / "gateway.yaml"
         config_path.write_text(yaml.safe_dump(plan.gateway_config, sort_keys=False))
-        supervisor.add("gateway", lambda: ChildProcess(["gateway", "--config", str(config_path)],
+        supervisor.add("gateway", lambda: ChildProcess(["gateway", "--config", str(config_path)], env=env,
                                                        log_path=log_dir / "gateway.log"), stop_order=0)
         _wait_ready(plan, options, supervisor, stop, ready_timeout)
         print(banner(plan, options, log_dir), flush=True)
@@ -114,13 +134,15 @@ def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout:
         return 130
     finally:
         supervisor.stop()
+        secret_file.unlink(missing_ok=True)  # the next run makes its own
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _engine_starter(engine: EngineChild, log_dir: Path):
+def _engine_starter(engine: EngineChild, log_dir: Path, env: dict[str, str]):
     def start() -> ChildProcess:
-        return ChildProcess(engine.args, log_path=log_dir / f"{engine.name}.log", cpus=engine.cpus)
+        return ChildProcess(engine.args, env={**env, **engine.env}, log_path=log_dir / f"{engine.name}.log",
+                            cpus=engine.cpus)
     return start
 
 
@@ -157,9 +179,10 @@ def banner(plan: LocalPlan, options: LocalOptions, log_dir: Path) -> str:
     key = "YOUR_API_KEY" if options.tenants_file else "local"
     return f"""
 Tessera is up: InferenceService {plan.name!r}, model {plan.model_name!r}, engine pods: {roles}
-  REST  {base}/v1      (OpenAPI {base}/openapi.json, metrics {base}/metrics)
-  gRPC  {host}:{options.grpc_port}      (tessera.v1.Inference, health, reflection)
-  logs  {log_dir}
+  REST     {base}/v1      (OpenAPI {base}/openapi.json)
+  gRPC     {host}:{options.grpc_port}      (tessera.v1.Inference, health, reflection)
+  metrics  http://{host}:{plan.metrics_port}/metrics      (the gateway's; not on the public port)
+  logs     {log_dir}
 
 curl {base}/v1/completions -H 'Content-Type: application/json' -H 'Authorization: Bearer {key}' \\
   -d '{{"model": "{plan.model_name}", "prompt": "Hello, my name is", "max_tokens": 16}}'

@@ -3,7 +3,10 @@
 No API server was available where these tests were written: this fake
 keeps applied objects in a dict with server-side-apply-like semantics for
 fields the operator owns (the applied object replaces them), serves pods
-and /metrics text that a test sets up, and records every call.
+and /metrics text that a test sets up, and records every call, both as the
+call (`calls`) and as the API server's authorizer would see it (`verbs`:
+(API group, resource, verb), which tests/operator/test_rbac.py compares with
+the chart's rules).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from tessera_operator.kube import CREATED_KINDS, MANAGED_KINDS, PRUNED_KINDS
 from tessera_operator.reconcile import ObjectKey
 
 
@@ -26,6 +30,11 @@ def labels_match(selector: str, labels: dict) -> bool:
     return all(labels.get(k) == v for k, v in (part.split("=", 1) for part in selector.split(",")))
 
 
+def rbac_resource(api_version: str, kind: str) -> tuple[str, str]:
+    """(API group, resource) of a kind, as RBAC rules name them."""
+    return api_version.rpartition("/")[0], {**MANAGED_KINDS, **CREATED_KINDS}[(api_version, kind)]
+
+
 @dataclass
 class FakeCluster:
     objects: dict[tuple[str, ObjectKey], dict] = field(default_factory=dict)
@@ -33,32 +42,61 @@ class FakeCluster:
     pods: dict[str, list[dict]] = field(default_factory=dict)      # label selector -> pods
     metrics: dict[str, str] = field(default_factory=dict)          # "ip:port" -> /metrics text
     calls: list[tuple] = field(default_factory=list)
+    verbs: set[tuple[str, str, str]] = field(default_factory=set)  # (API group, resource, verb) used
     fail_apply: Exception | None = None
+
+    def _verb(self, api_version: str, kind: str, verb: str) -> None:
+        self.verbs.add((*rbac_resource(api_version, kind), verb))
 
     def apply(self, obj: dict) -> None:
         self.calls.append(("apply", obj["kind"], obj["metadata"]["name"]))
+        key = (obj["metadata"]["namespace"], ObjectKey.of(obj))
+        # Server-side apply is a PATCH, authorized also as create when the object is new.
+        self._verb(obj["apiVersion"], obj["kind"], "patch")
+        if key not in self.objects:
+            self._verb(obj["apiVersion"], obj["kind"], "create")
         if self.fail_apply:
             raise self.fail_apply
-        self.objects[(obj["metadata"]["namespace"], ObjectKey.of(obj))] = copy.deepcopy(obj)
+        self.objects[key] = copy.deepcopy(obj)
 
     def list_managed(self, namespace: str, label_selector: str) -> list[ObjectKey]:
         self.calls.append(("list_managed", namespace, label_selector))
+        for api_version, kind in PRUNED_KINDS:
+            self._verb(api_version, kind, "list")
         return [key for (ns, key), obj in self.objects.items()
-                if ns == namespace and labels_match(label_selector, obj["metadata"].get("labels", {}))]
+                if ns == namespace and (key.api_version, key.kind) in PRUNED_KINDS
+                and labels_match(label_selector, obj["metadata"].get("labels", {}))]
 
     def delete(self, namespace: str, key: ObjectKey) -> None:
         self.calls.append(("delete", key.kind, key.name))
+        self._verb(key.api_version, key.kind, "delete")
         self.objects.pop((namespace, key), None)
 
     def get_deployment(self, namespace: str, name: str) -> dict | None:
         self.calls.append(("get_deployment", name))
+        self._verb("apps/v1", "Deployment", "get")
         obj = self.objects.get((namespace, ObjectKey("apps/v1", "Deployment", name)))
         if obj is None:
             return None
         return {**copy.deepcopy(obj), "status": {"readyReplicas": self.ready.get(name, 0)}}
 
+    def secret_exists(self, namespace: str, name: str) -> bool:
+        self.calls.append(("secret_exists", name))
+        self._verb("v1", "Secret", "get")
+        return (namespace, ObjectKey("v1", "Secret", name)) in self.objects
+
+    def create(self, obj: dict) -> bool:
+        self.calls.append(("create", obj["kind"], obj["metadata"]["name"]))
+        self._verb(obj["apiVersion"], obj["kind"], "create")
+        key = (obj["metadata"]["namespace"], ObjectKey.of(obj))
+        if key in self.objects:
+            return False  # 409 Conflict
+        self.objects[key] = copy.deepcopy(obj)
+        return True
+
     def list_pods(self, namespace: str, label_selector: str) -> list[dict]:
         self.calls.append(("list_pods", label_selector))
+        self.verbs.add(("", "pods", "list"))
         return copy.deepcopy(self.pods.get(label_selector, []))
 
     def scrape(self, ip: str, port: int) -> str:
@@ -71,5 +109,8 @@ class FakeCluster:
     def deployment(self, namespace: str, name: str) -> dict:
         return self.objects[(namespace, ObjectKey("apps/v1", "Deployment", name))]
 
+    def secret(self, namespace: str, name: str) -> dict | None:
+        return self.objects.get((namespace, ObjectKey("v1", "Secret", name)))
+
     def writes(self) -> list[tuple]:
-        return [c for c in self.calls if c[0] in ("apply", "delete")]
+        return [c for c in self.calls if c[0] in ("apply", "delete", "create")]

@@ -6,16 +6,19 @@ references, and RBAC enforcement (the chart's rules are checked against the call
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 
 import kopf
 import pytest
 from kopf._core.engines import posting  # the queue kopf.info/kopf.warn post to
 
+from tessera.internal_secret import MIN_SECRET_CHARS
 from tessera_operator import handlers
 from tessera_operator.handlers import on_change, on_delete, on_tick
 from tessera_operator.kube import ApiError
 from tessera_operator.names import Owner, gateway_selector, pool_selector
+from tessera_operator.reconcile import ObjectKey
 
 from .conftest import make_isvc
 from .fake_cluster import FakeCluster, pod
@@ -100,14 +103,16 @@ def test_create_applies_everything_and_reports_status(cluster, events):
     applied = [c[1:] for c in cluster.calls if c[0] == "apply"]
     assert applied[:4] == [("ServiceAccount", "llama-gateway"), ("Role", "llama-gateway"),
                            ("RoleBinding", "llama-gateway"), ("ConfigMap", "llama-gateway")]
-    assert len(cluster.objects) == 8
+    # 10 applied (8 objects and 2 NetworkPolicies) and the internal Secret, created.
+    assert len(cluster.objects) == 11
     status = patch["status"]
     assert status["observedGeneration"] == 1 and status["url"] == "http://llama-gateway.ml.svc:8000"
     assert status["pools"]["mixed"] == {"desiredReplicas": 1, "readyReplicas": 0}
     conditions = {c["type"]: c for c in status["conditions"]}
     assert set(conditions) == {"GatewayReady", "EngineReady", "Ready"}
     assert conditions["Ready"]["status"] == "False" and conditions["EngineReady"]["reason"] == "NoReadyPods"
-    assert ("Normal", "Applied", "8 objects applied (create)") in events()
+    assert ("Normal", "Applied", "10 objects applied (create)") in events()
+    assert ("Normal", "Created", "Secret llama-internal with a new internal secret") in events()
 
 
 def test_applying_twice_changes_nothing(cluster, events):
@@ -151,7 +156,7 @@ def test_api_failure_is_retried_later(cluster, events):
     cluster.fail_apply = ApiError(500, "PATCH", "/apis/apps/v1/...", "etcd unavailable")
     with pytest.raises(kopf.TemporaryError):
         call(on_change, make_isvc(), cluster)
-    assert events()[0][:2] == ("Warning", "ApplyFailed")
+    assert [e[:2] for e in events() if e[0] == "Warning"] == [("Warning", "ApplyFailed")]
 
 
 def test_delete_forgets_memory_and_leaves_children_to_the_garbage_collector(cluster, events):
@@ -188,7 +193,7 @@ def _serve(cluster, body, role, pods_and_metrics, queued=0):
         if text is not None:
             cluster.metrics[f"{p['status']['podIP']}:9090"] = text
     cluster.pods[gateway_selector(owner)] = [pod("gw-0", "10.0.9.1")]
-    cluster.metrics["10.0.9.1:8000"] = GATEWAY_METRICS.format(queued=queued)
+    cluster.metrics["10.0.9.1:9090"] = GATEWAY_METRICS.format(queued=queued)  # its metrics port, not the public one
 
 
 def test_timer_scales_decode_on_kv_usage_and_leaves_prefill(cluster, events):
@@ -240,3 +245,48 @@ def test_timer_skips_an_invalid_resource(cluster, events):
     body = make_isvc({"mode": "hybrid"})
     call(on_tick, body, cluster)
     assert cluster.calls == []
+
+
+def test_internal_secret_is_created_once_and_never_rewritten(cluster, events):
+    body = make_isvc()
+    call(on_change, body, cluster)
+    secret = cluster.secret("ml", "llama-internal")
+    value = base64.b64decode(secret["data"]["internal-secret"])
+    assert len(value) >= MIN_SECRET_CHARS and secret["immutable"] is True
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1234"  # goes with the InferenceService
+    call(on_change, body, cluster, reason="update")
+    call(on_tick, body, cluster)
+    assert cluster.secret("ml", "llama-internal") == secret
+    assert [c for c in cluster.calls if c[0] == "create"] == [("create", "Secret", "llama-internal")]
+    assert not [c for c in cluster.calls if c[0] == "apply" and c[1] == "Secret"]  # never server-side applied
+    # Deleted by hand: the next pass makes a new one, with a new value.
+    del cluster.objects[("ml", ObjectKey("v1", "Secret", "llama-internal"))]
+    call(on_tick, body, cluster)
+    assert base64.b64decode(cluster.secret("ml", "llama-internal")["data"]["internal-secret"]) != value
+
+
+def test_a_secret_made_meanwhile_is_no_error(cluster, events):
+    """Exists check says no, create gets 409 (another pass or a user was faster): fine, nothing reported."""
+    cluster.secret_exists = lambda namespace, name: False
+    call(on_change, make_isvc(), cluster)
+    call(on_change, make_isvc(), cluster, reason="resume")
+    assert len([c for c in cluster.calls if c[0] == "create"]) == 2
+    assert len([e for e in events() if e[1] == "Created"]) == 1
+
+
+def test_the_users_own_internal_secret_is_used_and_none_created(cluster, events):
+    call(on_change, make_isvc({"internalSecretRef": {"name": "mine"}}), cluster)
+    assert cluster.secret("ml", "llama-internal") is None
+    assert not [c for c in cluster.calls if c[0] in ("create", "secret_exists")]
+    volumes = cluster.deployment("ml", "llama-engine")["spec"]["template"]["spec"]["volumes"]
+    assert {"key": "internal-secret", "path": "internal-secret"} in next(
+        v for v in volumes if v["name"] == "internal-secret")["secret"]["items"]
+
+
+def test_policies_admit_the_operators_own_namespace_to_the_metrics_ports(cluster, events):
+    call(on_change, make_isvc(), cluster, memo=kopf.Memo(api=cluster, operator_namespace="tessera-system"))
+    for name in ("llama-engine", "llama-gateway"):
+        policy = cluster.objects[("ml", ObjectKey("networking.k8s.io/v1", "NetworkPolicy", name))]
+        metrics = [rule for rule in policy["spec"]["ingress"] if rule["ports"] == [{"protocol": "TCP", "port": 9090}]]
+        assert metrics == [{"from": [{"namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": "tessera-system"}}}], "ports": [{"protocol": "TCP", "port": 9090}]}]

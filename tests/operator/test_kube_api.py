@@ -10,7 +10,10 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from kubernetes import client
 
+from tessera.internal_secret import InternalSecret
+from tessera_operator.internal_secret import secret_object
 from tessera_operator.kube import ApiError, KubeApi
+from tessera_operator.names import Owner
 from tessera_operator.reconcile import ObjectKey, desired_objects
 
 from .conftest import make_isvc
@@ -23,6 +26,7 @@ class Recorder(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length)) if length else None
+        self.recorded_body = body
         self.seen.append({"method": self.command, "path": url.path, "query": parse_qs(url.query),
                           "content_type": self.headers.get("Content-Type"), "body": body})
         status, reply = self._reply(url.path)
@@ -38,13 +42,17 @@ class Recorder(BaseHTTPRequestHandler):
             return 404, {"kind": "Status", "code": 404}
         if path.endswith("/forbidden"):
             return 403, {"kind": "Status", "message": "forbidden"}
+        if self.command == "POST" and (self.recorded_body or {}).get("metadata", {}).get("name") == "taken":
+            return 409, {"kind": "Status", "code": 409, "reason": "AlreadyExists"}
+        if self.command == "POST" and (self.recorded_body or {}).get("metadata", {}).get("name") == "refused":
+            return 403, {"kind": "Status", "message": "forbidden"}
         if self.command == "GET" and path.endswith(("/pods", "/deployments", "/services")):
             return 200, {"items": [{"metadata": {"name": "x"}}]}
         if self.command == "GET" and path.rsplit("/", 1)[0].endswith("/deployments"):
             return 200, {"metadata": {"name": "d"}, "status": {"readyReplicas": 2}}
         return 200, {"items": []} if self.command == "GET" else {}
 
-    do_GET = do_PATCH = do_DELETE = _handle
+    do_GET = do_PATCH = do_DELETE = do_POST = _handle
 
     def log_message(self, *args):
         pass
@@ -73,6 +81,8 @@ def test_apply_is_server_side_apply_on_the_right_paths(server):
         "/apis/rbac.authorization.k8s.io/v1/namespaces/ml/roles/llama-gateway",
         "/apis/rbac.authorization.k8s.io/v1/namespaces/ml/rolebindings/llama-gateway",
         "/api/v1/namespaces/ml/configmaps/llama-gateway",
+        "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/llama-engine",
+        "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/llama-gateway",
         "/api/v1/namespaces/ml/services/llama-engine",
         "/apis/apps/v1/namespaces/ml/deployments/llama-engine",
         "/apis/apps/v1/namespaces/ml/deployments/llama-gateway",
@@ -97,7 +107,7 @@ def test_reads_lists_and_deletes(server):
     assert (delete["method"], delete["path"]) == ("DELETE", "/apis/apps/v1/namespaces/ml/deployments/llama-engine")
     assert delete["query"] == {"propagationPolicy": ["Background"]}
     lists = [r for r in seen if r["query"].get("labelSelector") == ["tessera.dev/inference-service=llama"]]
-    assert len(lists) == 6  # one per managed kind
+    assert len(lists) == 3  # one per pruned kind: Deployment, Service, NetworkPolicy
 
 
 def test_errors_raise_with_the_status(server):
@@ -105,3 +115,20 @@ def test_errors_raise_with_the_status(server):
     with pytest.raises(ApiError) as info:
         api.get_deployment("ml", "forbidden")
     assert info.value.status == 403 and "forbidden" in str(info.value)
+
+
+def test_secret_is_read_for_existence_and_created_once(server):
+    """GET answers whether the internal Secret exists; POST creates it; 409 (made meanwhile) is no error."""
+    api, seen = server
+    assert api.secret_exists("ml", "missing") is False
+    assert api.secret_exists("ml", "llama-internal") is True
+    assert [(r["method"], r["path"]) for r in seen] == [("GET", "/api/v1/namespaces/ml/secrets/missing"),
+                                                       ("GET", "/api/v1/namespaces/ml/secrets/llama-internal")]
+    secret = secret_object(Owner("llama", "ml", "uid-1"), InternalSecret.generate())
+    assert api.create(secret) is True
+    assert (seen[-1]["method"], seen[-1]["path"], seen[-1]["body"]) == ("POST", "/api/v1/namespaces/ml/secrets",
+                                                                        secret)
+    assert api.create({**secret, "metadata": {**secret["metadata"], "name": "taken"}}) is False
+    with pytest.raises(ApiError) as info:
+        api.create({**secret, "metadata": {**secret["metadata"], "name": "refused"}})
+    assert info.value.status == 403

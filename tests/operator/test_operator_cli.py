@@ -29,6 +29,19 @@ def test_one_namespace(kopf_run):
     assert [t.interval for t in timers] == [15.0]
 
 
+def test_operator_namespace_comes_from_the_environment_the_chart_sets(kopf_run, monkeypatch, caplog):
+    """The handlers learn it through the memo: NetworkPolicies admit that namespace to the metrics ports."""
+    monkeypatch.setenv("TESSERA_OPERATOR_NAMESPACE", "tessera-system")
+    assert cli.main(["operator", "-n", "ml"]) == 0
+    assert kopf_run[-1]["memo"].operator_namespace == "tessera-system"
+    assert cli.main(["operator", "-n", "ml", "--operator-namespace", "ops"]) == 0
+    assert kopf_run[-1]["memo"].operator_namespace == "ops"
+    monkeypatch.delenv("TESSERA_OPERATOR_NAMESPACE")
+    assert cli.main(["operator", "-n", "ml"]) == 0
+    assert kopf_run[-1]["memo"].operator_namespace is None
+    assert "no --operator-namespace" in caplog.text
+
+
 def test_all_namespaces_and_no_liveness(kopf_run):
     assert cli.main(["operator", "--all-namespaces", "--liveness-port", "0", "--interval", "5"]) == 0
     (kw,) = kopf_run

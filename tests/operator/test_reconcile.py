@@ -42,7 +42,10 @@ FULL_SPEC = {
                     "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]},
         "decode": {"replicas": 3, "minReplicas": 2, "maxReplicas": 8, "gpus": 2},
     },
-    "kvStore": {"hostMemory": "2Gi", "redis": {"urlSecretRef": {"name": "redis-cred", "key": "address"}}},
+    "kvStore": {"hostMemory": "2Gi", "redis": {"urlSecretRef": {"name": "redis-cred", "key": "address"},
+                                               "tls": {"caSecretRef": {"name": "redis-ca"},
+                                                       "clientCertSecretRef": {"name": "redis-client"}},
+                                               "podSelector": {"app": "redis"}, "port": 6380}},
     "gateway": {"replicas": 3, "serviceType": "LoadBalancer", "tenantsSecretRef": {"name": "tenants"},
                 "priorityClasses": [{"name": "gold", "priority": 0, "weight": 8},
                                     {"name": "batch", "priority": 20, "weight": 1, "sheddable": True}],
@@ -50,6 +53,9 @@ FULL_SPEC = {
                 "resources": {"requests": {"cpu": "2"}}},
     "disaggregation": {"minUncachedTokens": 1024},
     "autoscaling": {"enabled": False},
+    "internalSecretRef": {"name": "shared-internal", "key": "secret"},
+    "internalTLS": {"secretName": "llama-internal-tls", "serverName": "engine.llama.internal"},
+    "networkPolicy": {"metricsNamespaces": ["monitoring"]},
 }
 
 
@@ -62,7 +68,8 @@ def test_mixed_mode_objects(isvc):
     keys = set(by_key(desired_objects(isvc)))
     assert keys == {("ServiceAccount", "llama-gateway"), ("Role", "llama-gateway"), ("RoleBinding", "llama-gateway"),
                     ("ConfigMap", "llama-gateway"), ("Deployment", "llama-gateway"), ("Service", "llama-gateway"),
-                    ("Deployment", "llama-engine"), ("Service", "llama-engine")}
+                    ("Deployment", "llama-engine"), ("Service", "llama-engine"),
+                    ("NetworkPolicy", "llama-engine"), ("NetworkPolicy", "llama-gateway")}
     assert arg_value(container(desired_objects(isvc), "llama-engine")["args"], "--role") == "mixed"
 
 
@@ -83,23 +90,77 @@ def test_engine_args_carry_every_engine_field(full):
                 "--block-size": "32", "--max-num-batched-tokens": "4096", "--max-num-seqs": "64",
                 "--gpu-memory-utilization": "0.85", "--scheduling-policy": "fcfs", "--tensor-parallel-size": "1",
                 "--drain-timeout": "45", "--attention-backend": "triton", "--kv-host-bytes": str(2 * 1024**3),
-                "--kv-redis-url": "$(TESSERA_KV_REDIS_URL)"}
+                "--kv-redis-key-prefix": "tessera:ml/llama:", "--health-port": "50062"}
     for flag, value in expected.items():
         assert arg_value(args, flag) == value, flag
     assert "--no-prefix-caching" in args
-    # The password never appears in the pod spec, only the Secret reference.
-    assert c["env"] == [{"name": "TESSERA_KV_REDIS_URL",
-                         "valueFrom": {"secretKeyRef": {"name": "redis-cred", "key": "address"}}}]
+    # The password never appears in the pod spec nor on the command line (not even as $(VAR)):
+    # the engine reads the URL from its environment, set from the Secret.
+    assert "--kv-redis-url" not in args and not [a for a in args if "$(" in a]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["TESSERA_KV_REDIS_URL"] == {"name": "TESSERA_KV_REDIS_URL",
+                                           "valueFrom": {"secretKeyRef": {"name": "redis-cred", "key": "address"}}}
     assert c["image"] == "registry.local/tessera:dev" and c["imagePullPolicy"] == "Always"
+
+
+def _mounted_files(objects, deployment: str) -> dict[str, str]:
+    """File path in the container -> "Secret name/key" it comes from."""
+    pod = by_key(objects)[("Deployment", deployment)]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    out = {}
+    for mount in pod["containers"][0]["volumeMounts"]:
+        secret = volumes[mount["name"]].get("secret")
+        if secret:
+            assert mount["readOnly"] and secret["defaultMode"] == 0o440
+            for item in secret["items"]:
+                out[f"{mount['mountPath']}/{item['path']}"] = f"{secret['secretName']}/{item['key']}"
+    return out
+
+
+def test_internal_secret_is_a_file_in_every_pod(isvc, full):
+    """Gateway and engine pods read the internal secret from a mounted file the env var names."""
+    for objects, source in ((desired_objects(isvc), "llama-internal/internal-secret"),  # the operator's own
+                            (full, "shared-internal/secret")):                         # spec.internalSecretRef
+        for name in [o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"]:
+            c = container(objects, name)
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            path = env["TESSERA_INTERNAL_SECRET_FILE"]
+            assert _mounted_files(objects, name)[path] == source, name
+            assert not [a for a in c["args"] if "secret" in a.lower()]
+
+
+def test_tls_files_are_mounted_and_named_by_flags_and_config(full):
+    """internalTLS: engines serve with the certificate and demand one; the gateway presents it and checks
+    the engines' against serverName. kvStore.redis.tls: the CA and client certificate reach the engines."""
+    args = container(full, "llama-decode")["args"]
+    files = _mounted_files(full, "llama-decode")
+    for flag, source in (("--tls-cert-file", "llama-internal-tls/tls.crt"),
+                         ("--tls-key-file", "llama-internal-tls/tls.key"),
+                         ("--tls-client-ca-file", "llama-internal-tls/ca.crt"),
+                         ("--kv-redis-ca-file", "redis-ca/ca.crt"),
+                         ("--kv-redis-cert-file", "redis-client/tls.crt"),
+                         ("--kv-redis-key-file", "redis-client/tls.key")):
+        assert files[arg_value(args, flag)] == source, flag
+    config = yaml.safe_load(by_key(full)[("ConfigMap", "llama-gateway")]["data"]["gateway.yaml"])
+    tls = config["internal"]["tls"]
+    gateway_files = _mounted_files(full, "llama-gateway")
+    assert tls["server_name"] == "engine.llama.internal"
+    assert [gateway_files[tls[k]] for k in ("ca_file", "cert_file", "key_file")] == [
+        "llama-internal-tls/ca.crt", "llama-internal-tls/tls.crt", "llama-internal-tls/tls.key"]
+    assert "--kv-redis-ca-file" not in container(full, "llama-gateway")["args"]
 
 
 def test_engine_args_omit_unset_options(isvc):
     args = container(desired_objects(isvc), "llama-engine")["args"]
-    for flag in ("--max-model-len", "--kv-host-bytes", "--kv-redis-url", "--no-prefix-caching",
-                 "--speculative-config"):
+    for flag in ("--max-model-len", "--kv-host-bytes", "--kv-redis-url", "--kv-redis-key-prefix",
+                 "--no-prefix-caching", "--speculative-config", "--tls-cert-file", "--kv-redis-ca-file",
+                 "--kv-redis-cert-file"):
         assert flag not in args
     assert arg_value(args, "--attention-backend") == "auto"
-    assert "env" not in container(desired_objects(isvc), "llama-engine")
+    env = {e["name"] for e in container(desired_objects(isvc), "llama-engine")["env"]}
+    assert "TESSERA_KV_REDIS_URL" not in env
+    config = yaml.safe_load(by_key(desired_objects(isvc))[("ConfigMap", "llama-gateway")]["data"]["gateway.yaml"])
+    assert "internal" not in config
 
 
 def test_engine_args_parse_with_the_engine_cli(full):
@@ -169,9 +230,11 @@ def test_replicas_scheduling_and_drain(full):
 
 
 def test_probes_use_the_health_endpoints(full):
+    # The kubelet's gRPC probe speaks no TLS: the engine serves health alone in plaintext on --health-port.
     engine = container(full, "llama-decode")
+    assert arg_value(engine["args"], "--health-port") == "50062"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert engine[probe]["grpc"] == {"port": 50061}
+        assert engine[probe]["grpc"] == {"port": 50062}
     gw = container(full, "llama-gateway")
     for probe in ("readinessProbe", "livenessProbe"):
         assert gw[probe]["httpGet"] == {"path": "/health", "port": "http"}
@@ -210,7 +273,7 @@ def test_gateway_config_file(full):
     config = yaml.safe_load(objects[("ConfigMap", "llama-gateway")]["data"]["gateway.yaml"])
     assert config == {
         "model": {"name": "llama-70b", "path": "/models/llama-8b", "max_model_len": 8192, "block_size": 32},
-        "server": {"host": "0.0.0.0", "http_port": 8000, "grpc_port": 50051},
+        "server": {"host": "0.0.0.0", "http_port": 8000, "grpc_port": 50051, "metrics_port": 9090},
         "pods": {"kubernetes": {"namespace": "ml", "port_name": "grpc",
                                 "services": {"prefill": "llama-prefill", "decode": "llama-decode"}}},
         "tenants_file": "/etc/tessera/tenants/tenants.yaml",
@@ -218,10 +281,15 @@ def test_gateway_config_file(full):
                              {"name": "batch", "priority": 20, "weight": 1, "sheddable": True}],
         "default_priority_class": "gold",
         "disaggregation": {"min_uncached_tokens": 1024},
+        "internal": {"tls": {"ca_file": "/etc/tessera/internal-tls/ca.crt",
+                             "cert_file": "/etc/tessera/internal-tls/tls.crt",
+                             "key_file": "/etc/tessera/internal-tls/tls.key",
+                             "server_name": "engine.llama.internal"}},
     }
     # The gateway's own loader accepts it.
     loaded = gateway_config_from_dict(config)
     assert loaded.pods.kubernetes.services == {"prefill": "llama-prefill", "decode": "llama-decode"}
+    assert loaded.server.metrics_port == 9090 and loaded.internal.tls.server_name == "engine.llama.internal"
 
 
 def test_gateway_pod_mounts_config_tenants_and_model(full):
@@ -230,9 +298,11 @@ def test_gateway_pod_mounts_config_tenants_and_model(full):
     c = pod["containers"][0]
     assert c["args"] == ["gateway", "--config", "/etc/tessera/gateway/gateway.yaml"]
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-    assert mounts == {"models": "/models", "config": "/etc/tessera/gateway", "tenants": "/etc/tessera/tenants"}
+    assert mounts == {"models": "/models", "config": "/etc/tessera/gateway", "tenants": "/etc/tessera/tenants",
+                      "tmp": "/tmp", "internal-secret": "/etc/tessera/internal",
+                      "internal-tls": "/etc/tessera/internal-tls"}
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["tenants"]["secret"] == {"secretName": "tenants",
+    assert volumes["tenants"]["secret"] == {"secretName": "tenants", "defaultMode": 0o440,
                                             "items": [{"key": "tenants.yaml", "path": "tenants.yaml"}]}
     assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
     assert pod["serviceAccountName"] == "llama-gateway"

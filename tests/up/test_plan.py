@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -40,19 +42,61 @@ def test_mixed_example_two_pinned_replicas_behind_a_static_gateway(tiny_llama):
         assert flags["--cpu-threads"] == "1" and flags["--kv-host-bytes"] == str(256 << 20)
     gw = plan.gateway_config
     assert gw["pods"] == {"static": [{"address": e.address, "role": "mixed"} for e in plan.engines]}
-    assert gw["server"] == {"host": "127.0.0.1", "http_port": 8123, "grpc_port": 8124}
+    # /metrics on a port of its own, as in a cluster.
+    assert gw["server"] == {"host": "127.0.0.1", "http_port": 8123, "grpc_port": 8124,
+                            "metrics_port": plan.metrics_port}
+    assert plan.metrics_port not in {8123, 8124} | {p for e in plan.engines for p in (e.grpc_port, e.metrics_port)}
     assert gw["model"]["path"] == str(tiny_llama.resolve()) and gw["model"]["name"] == "tiny"
     assert not plan.needs_redis
 
 
-def test_disaggregated_example_needs_redis_and_gets_its_url(tiny_llama):
-    options = LocalOptions(models_dir=tiny_llama.parent, redis_url="redis://127.0.0.1:7777/0", cpus=(0, 1))
+def test_disaggregated_example_needs_redis_and_gets_its_url_by_environment(tiny_llama):
+    """The Redis URL (a password in it) reaches the engines by environment, never in their argv."""
+    url = "redis://:hunter2-redis-password@127.0.0.1:7777/0"
+    options = LocalOptions(models_dir=tiny_llama.parent, redis_url=url, cpus=(0, 1))
     plan = build_plan(_example("local-disaggregated.yaml"), options, _ports())
     assert plan.needs_redis
     assert [(e.name, e.role) for e in plan.engines] == [("prefill-0", "prefill"), ("decode-0", "decode")]
     for engine in plan.engines:
-        assert _engine_flags(engine.args)["--kv-redis-url"] == "redis://127.0.0.1:7777/0"
+        assert engine.env == {"TESSERA_KV_REDIS_URL": url}
+        assert "--kv-redis-url" not in engine.args
+        assert not [a for a in engine.args if "hunter2" in a]
+        # The operator's prefix: this InferenceService's own key space.
+        assert _engine_flags(engine.args)["--kv-redis-key-prefix"] == "tessera:default/local-pd:"
+        assert "hunter2" not in repr(engine)  # nor in a log line of the plan
+    assert "hunter2" not in yaml.safe_dump(plan.gateway_config)
     assert plan.gateway_config["disaggregation"] == {"min_uncached_tokens": 64}
+
+
+def test_cluster_only_credentials_are_dropped_locally_with_a_warning(tiny_llama):
+    """internalTLS and kvStore.redis.tls name Kubernetes Secrets: no file flags locally, no internal.tls."""
+    resource = _example("local-disaggregated.yaml")
+    resource["spec"]["internalTLS"] = {"secretName": "tls", "serverName": "engine.local"}
+    resource["spec"]["internalSecretRef"] = {"name": "mine"}
+    resource["spec"]["kvStore"]["redis"]["tls"] = {"caSecretRef": {"name": "ca"}}
+    plan = build_plan(resource, LocalOptions(models_dir=tiny_llama.parent, redis_url="redis://127.0.0.1:1/0"),
+                      _ports())
+    for engine in plan.engines:
+        for flag in ("--tls-cert-file", "--tls-client-ca-file", "--kv-redis-ca-file", "--health-port"):
+            assert flag not in engine.args
+    assert "internal" not in plan.gateway_config
+    assert len(plan.warnings) == 3 and all("Kubernetes Secret" in w for w in plan.warnings)
+
+
+def test_the_secret_file_is_private_from_its_creation(tmp_path):
+    from tessera.internal_secret import InternalSecret
+    from tessera.up.runner import write_secret_file
+
+    old_umask = os.umask(0)  # a umask cannot widen it either
+    try:
+        path = write_secret_file(tmp_path / "internal-secret", InternalSecret.generate())
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        first = path.read_bytes()
+        write_secret_file(path, InternalSecret.generate())  # a rerun replaces it
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_bytes() != first
+    assert InternalSecret.load(path) is not None
 
 
 def test_engine_args_parse_with_the_engines_own_parser(tiny_llama):

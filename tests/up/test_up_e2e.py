@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ import httpx
 import pytest
 
 from tessera.child_process import free_port
+from tessera.internal_secret import InternalSecret
 from tessera.v1 import inference_pb2 as pb
 from tessera.v1 import inference_pb2_grpc as pb_grpc
 
@@ -48,6 +51,7 @@ class Up:
     def __init__(self, models_dir: Path, log_dir: Path, example: str = "local.yaml") -> None:
         self.http_port, self.grpc_port = free_port(), free_port()
         self.base_url = f"http://127.0.0.1:{self.http_port}"
+        self.log_dir = log_dir
         self.log = open(log_dir / "up.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tessera.cli", "up", "-f", str(ROOT / "examples" / example),
@@ -92,6 +96,23 @@ def test_up_serves_rest_and_grpc_and_sigint_leaves_no_process(up):
     children = _children(up.proc.pid)
     kinds = sorted(cmd.split("tessera.cli ")[1].split()[0] for cmd in children.values())
     assert kinds == ["engine", "engine", "gateway"]
+    # No credential in any process's argv (world-readable): each child gets the run's internal
+    # secret as a private file its environment names.
+    secret_file = up.log_dir / "internal-secret"
+    assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
+    secret = InternalSecret.load(secret_file)
+    for pid in [up.proc.pid, *children]:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert secret.value not in cmdline and secret.token.encode() not in cmdline, cmdline
+    for pid in children:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert f"TESSERA_INTERNAL_SECRET_FILE={secret_file}".encode() in environ
+        # The test run's own TESSERA_INTERNAL_SECRET is not passed on: the run's file is the only secret.
+        assert [v for v in environ if v.startswith(b"TESSERA_INTERNAL_SECRET=")] == [b"TESSERA_INTERNAL_SECRET="]
+    # /metrics on the port the banner names, not on the public one.
+    metrics_url = re.search(r"metrics\s+(http://\S+/metrics)", Path(up.log.name).read_text()).group(1)
+    assert "tessera:gateway" in httpx.get(metrics_url, timeout=5).text
+    assert httpx.get(up.base_url + "/metrics", timeout=5).status_code == 404
     r = up.complete()
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     with grpc.insecure_channel(f"127.0.0.1:{up.grpc_port}") as channel:
@@ -110,6 +131,7 @@ def test_up_serves_rest_and_grpc_and_sigint_leaves_no_process(up):
     while time.monotonic() < deadline and any(_alive(pid) for pid in children):
         time.sleep(0.1)
     assert not [pid for pid in children if _alive(pid)], "children outlived tessera up"
+    assert not secret_file.exists()  # the next run makes its own
 
 
 def test_a_killed_engine_is_restarted_while_the_other_serves(up):

@@ -36,10 +36,25 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{/*
-The operator's permissions: exactly the calls it makes.
+The namespaces the operator watches unless clusterWide: watchNamespaces, else the release's own.
+A JSON list (templates return strings): `include ... | fromJsonArray`.
+*/}}
+{{- define "tessera.watchedNamespaces" -}}
+{{- if and .Values.clusterWide .Values.watchNamespaces -}}
+{{- fail "set clusterWide or watchNamespaces, not both" -}}
+{{- end -}}
+{{- default (list .Release.Namespace) .Values.watchNamespaces | toJson -}}
+{{- end -}}
+
+{{/*
+The operator's permissions: exactly the calls it makes (tests/operator/test_rbac.py runs every
+reconcile path against a recording fake and compares).
 - inferenceservices: kopf lists/watches them and patches its annotations; status via the subresource.
-- owned objects: server-side apply (create + patch), list + delete to prune what a spec no longer needs;
+- owned objects: server-side apply (create + patch); list + delete to prune what a spec no longer
+  needs, on the kinds that come and go with it (Deployments, Services, NetworkPolicies; kube.PRUNED_KINDS);
   get on Deployments to read their ready replicas.
+- secrets: get (does NAME-internal exist?) and create (it once, with a random value). Never list,
+  patch or delete: the operator writes no other Secret and reads none.
 - pods: list, to count ready and pending engine pods and find their metrics endpoints.
 - endpointslices: read-only, held so the operator may grant it to each gateway's Role (RBAC forbids
   granting what one does not hold).
@@ -48,19 +63,28 @@ The operator's permissions: exactly the calls it makes.
 {{- define "tessera.rules" -}}
 - apiGroups: ["tessera.dev"]
   resources: ["inferenceservices"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["list", "watch", "patch"]
 - apiGroups: ["tessera.dev"]
   resources: ["inferenceservices/status"]
-  verbs: ["get", "patch"]
+  verbs: ["patch"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: [""]
-  resources: ["services", "configmaps", "serviceaccounts"]
+  resources: ["services"]
   verbs: ["list", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["configmaps", "serviceaccounts"]
+  verbs: ["create", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
+  verbs: ["create", "patch"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
   verbs: ["list", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]

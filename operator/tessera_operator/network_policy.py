@@ -1,0 +1,86 @@
+"""NetworkPolicies of an InferenceService: who may reach its pods.
+
+- Engine pods: the gRPC port only from this InferenceService's gateway pods and its own engine
+  pods (P/D peers); the metrics port only from the operator's namespace (the autoscaler scrapes
+  it) and the namespaces in spec.networkPolicy.metricsNamespaces.
+- Gateway pods: REST and gRPC from anywhere (the public entry point); metrics as above.
+- Redis, when kvStore.redis.podSelector names its pods: only this InferenceService's engine pods,
+  on kvStore.redis.port.
+
+Only Ingress is restricted. Traffic from a pod's own node (kubelet probes) is always allowed.
+Policies add up: two InferenceServices sharing one Redis both get in.
+"""
+
+from __future__ import annotations
+
+from tessera_operator import engine_pool, gateway, names, pod_parts
+from tessera_operator.names import Owner
+
+API_VERSION = "networking.k8s.io/v1"
+# The label every namespace carries (Kubernetes sets it), so a namespace is matched by its name.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
+
+def _tcp(port: int | str) -> dict:
+    return {"protocol": "TCP", "port": port}
+
+
+def _namespaces(names_: list[str]) -> list[dict]:
+    return [{"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: ns}}} for ns in names_]
+
+
+def metrics_namespaces(spec: dict, operator_namespace: str | None) -> list[str]:
+    """Namespaces whose pods may scrape: the operator's (when known) and the configured ones."""
+    found = ([operator_namespace] if operator_namespace else []) + list(spec["networkPolicy"]["metricsNamespaces"])
+    return list(dict.fromkeys(found))
+
+
+def _metrics_rule(spec: dict, operator_namespace: str | None, port: int) -> list[dict]:
+    sources = _namespaces(metrics_namespaces(spec, operator_namespace))
+    # No source at all would be "from anywhere": leave the port closed instead.
+    return [{"from": sources, "ports": [_tcp(port)]}] if sources else []
+
+
+def _policy(owner: Owner, name: str, labels: dict, pod_selector: dict, ingress: list[dict]) -> dict:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "NetworkPolicy",
+        "metadata": pod_parts.object_meta(owner, name, labels),
+        # An empty ingress list with policyTypes Ingress admits nothing.
+        "spec": {"podSelector": {"matchLabels": pod_selector}, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+def engine_policy(owner: Owner, spec: dict, operator_namespace: str | None) -> dict:
+    peers = [{"podSelector": {"matchLabels": names.selector(owner, "gateway")}},
+             {"podSelector": {"matchLabels": names.selector(owner, "engine")}}]
+    ingress = [{"from": peers, "ports": [_tcp(engine_pool.GRPC_PORT)]}]
+    ingress += _metrics_rule(spec, operator_namespace, engine_pool.METRICS_PORT)
+    return _policy(owner, names.engine_policy_name(owner), names.labels(owner, "engine"),
+                   names.selector(owner, "engine"), ingress)
+
+
+def gateway_policy(owner: Owner, spec: dict, operator_namespace: str | None) -> dict:
+    # No `from`: any source, cluster or not (the Service may be a LoadBalancer).
+    ingress = [{"ports": [_tcp(gateway.HTTP_PORT), _tcp(gateway.GRPC_PORT)]}]
+    ingress += _metrics_rule(spec, operator_namespace, gateway.METRICS_PORT)
+    return _policy(owner, names.gateway_name(owner), names.labels(owner, "gateway"),
+                   names.selector(owner, "gateway"), ingress)
+
+
+def redis_policy(owner: Owner, spec: dict) -> dict | None:
+    redis = spec["kvStore"].get("redis") or {}
+    if not redis.get("podSelector"):
+        return None
+    ingress = [{"from": [{"podSelector": {"matchLabels": names.selector(owner, "engine")}}],
+                "ports": [_tcp(redis["port"])]}]
+    return _policy(owner, names.redis_policy_name(owner), names.labels(owner, "redis"), dict(redis["podSelector"]),
+                   ingress)
+
+
+def policies(owner: Owner, spec: dict, operator_namespace: str | None) -> list[dict]:
+    if not spec["networkPolicy"]["enabled"]:
+        return []
+    out = [engine_policy(owner, spec, operator_namespace), gateway_policy(owner, spec, operator_namespace)]
+    redis = redis_policy(owner, spec)
+    return out + ([redis] if redis else [])
