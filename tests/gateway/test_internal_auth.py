@@ -195,3 +195,27 @@ def test_gateway_serves_a_completion_through_a_tls_pod(tls_pod, tiny_llama, tmp_
                        headers={"Authorization": f"Bearer {KEYS['alice']}"}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_gateway_with_another_secret_is_refused_and_says_so_once(engine_pods, caplog):
+    """A gateway whose secret differs from the pods' never routes to them, and
+    its log says why once (not every re-probe)."""
+    import asyncio
+
+    from gateway.config import AdmissionConfig, RouterConfig
+    from gateway.pods.pool import PodPool
+
+    async def watch_a_while() -> bool:
+        client = InternalClient(InternalSecret.from_text("another-deployment-secret-" + "x" * 32))
+        pool = PodPool(RouterConfig(reprobe_interval_s=0.1), AdmissionConfig(), client=client)
+        pool.set_members("mixed", [engine_pods[0].address])
+        await asyncio.sleep(1.5)  # about a dozen refused re-probes
+        routable = bool(pool.routable())
+        await pool.close()
+        return routable
+
+    with caplog.at_level("ERROR", logger="gateway.pods.pool"):
+        assert not asyncio.run(watch_a_while())
+    refusals = [r for r in caplog.records if "refuses this gateway's internal token" in r.getMessage()]
+    assert len(refusals) == 1
+    assert SECRET.token not in caplog.text
