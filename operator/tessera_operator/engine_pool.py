@@ -6,6 +6,7 @@ import json
 
 from kubernetes.utils.quantity import parse_quantity
 
+from kv_store.redis_tier import REDIS_URL_ENV  # the engine reads the Redis URL (password included) from it
 from tessera_operator import names, pod_parts, secret_files
 from tessera_operator.names import Owner
 
@@ -13,8 +14,6 @@ GRPC_PORT = 50061
 METRICS_PORT = 9090
 # grpc.health.v1 alone, in plaintext: the kubelet's gRPC probes speak neither TLS nor the token.
 HEALTH_PORT = 50062
-# The engine reads the Redis URL (password included) from this variable when --kv-redis-url is absent.
-REDIS_URL_ENV = "TESSERA_KV_REDIS_URL"
 # Triton writes its compiled kernels here (the root filesystem is read-only).
 TRITON_CACHE_DIR = f"{pod_parts.TMP_MOUNT}/triton"
 # A model may take minutes to load; the startup probe allows this long before liveness takes over.
