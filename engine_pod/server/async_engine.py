@@ -82,11 +82,21 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue] = {}
         self.snapshot = LoadSnapshot(num_free_blocks=core.num_blocks)
         self.error: BaseException | None = None
+        # When the running step began (monotonic), None between steps: the
+        # event loop reads it to tell a wedged engine loop from a busy one.
+        self._step_started: float | None = None
 
     # -- event-loop side --------------------------------------------------
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
+
+    def step_running_for(self) -> float:
+        """Seconds the current step has run (0 between steps). A step that
+        never ends (a stopped tensor-parallel worker, a hung kernel) leaves
+        every stream of the pod waiting while its gRPC side still answers."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._streams
@@ -161,7 +171,9 @@ class AsyncEngine:
                     self._publish()
                     self._wakeup.wait()
                     continue
+                self._step_started = time.monotonic()
                 outputs = self.core.step()
+                self._step_started = None
                 step_end = time.time()
                 if self.on_step is not None:
                     self.on_step(self.core.last_stats)

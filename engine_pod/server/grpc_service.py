@@ -35,6 +35,7 @@ class EngineService(pb_grpc.EngineServicer):
         self.role = role
         self.max_waiting_requests = max_waiting_requests
         self.serving = False  # flipped by the server after warm-up, and back when draining
+        self.stalled = False  # one engine step has run past --step-timeout (step_watchdog.py)
 
     def attach(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -122,6 +123,7 @@ class EngineService(pb_grpc.EngineServicer):
             block_size=kv.block_size,
             matched_prefix_blocks=matched,
             serving=self.serving,
+            stalled=self.stalled,
         )
 
     async def GetLoad(self, request: pb.LoadRequest, context) -> pb.LoadReport:

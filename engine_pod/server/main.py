@@ -40,6 +40,7 @@ from engine_pod.sampling_params import SamplingParams
 from engine_pod.server.async_engine import AsyncEngine, StreamEnd
 from engine_pod.server.auth import InternalAuthInterceptor, ServerTLS
 from engine_pod.server.grpc_service import EngineService
+from engine_pod.server.step_watchdog import watch_steps
 from engine_pod.server.cpu_share import cpu_share
 from engine_pod.server.metrics import EngineMetrics, KVStoreCollector, StructuredOutputCollector
 from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, InternalSecret
@@ -72,6 +73,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tls-key-file", default=None, help="mutual TLS: this pod's private key (PEM)")
     p.add_argument("--tls-client-ca-file", default=None,
                    help="mutual TLS: the CA that must have signed every client's certificate (PEM)")
+    p.add_argument("--step-timeout", type=float, default=60.0,
+                   help="seconds one engine step may run before the pod reports itself stalled "
+                        "(its streams are ended and routed elsewhere); 0: never")
     p.add_argument("--health-port", type=int, default=0,
                    help="also serve grpc.health.v1 alone, in plaintext, on this port (kubelet probes "
                         "cannot speak TLS); 0: none")
@@ -87,6 +91,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("drain_timeout must be >= 0")
     if args.cpu_threads < 0:
         raise ValueError("cpu_threads must be >= 0 (0: the pod's CPU share)")
+    if args.step_timeout < 0:
+        raise ValueError("step_timeout must be >= 0 (0: never)")
     if args.health_port and args.health_port == args.grpc_port:
         raise ValueError("health_port must differ from grpc_port")
 
@@ -211,15 +217,18 @@ async def _warm_up(engine: AsyncEngine, processor: Processor) -> None:
 
 
 async def _lifecycle(frontend: Frontend, engine: AsyncEngine, processor: Processor, metrics: EngineMetrics,
-                     banner: str, drain_timeout: float) -> None:
+                     banner: str, drain_timeout: float, step_timeout: float) -> None:
     """On the frontend loop: warm up, serve until asked to stop, drain, stop the engine."""
     service = frontend.service
+    watchdog = None
     try:
         await _warm_up(engine, processor)
         engine.on_step = metrics.on_step  # the warm-up stays out of the metrics
         service.serving = True
         await frontend.set_health(health_pb2.HealthCheckResponse.SERVING)
         print(banner, flush=True)
+        if step_timeout:
+            watchdog = asyncio.create_task(watch_steps(engine, service, frontend.set_health, step_timeout))
         await frontend.stop_requested.wait()
         service.serving = False
         await frontend.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -228,6 +237,8 @@ async def _lifecycle(frontend: Frontend, engine: AsyncEngine, processor: Process
         while engine.num_in_flight and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
     finally:
+        if watchdog is not None:
+            watchdog.cancel()
         engine.stop()
 
 
@@ -270,7 +281,7 @@ def serve(args: argparse.Namespace) -> int:
         banner = (f"tessera engine ready: role={args.role} grpc={frontend.address} auth={auth} "
                   f"metrics=:{args.metrics_port} kv_blocks={core.num_blocks}")
         lifecycle = frontend.submit(
-            _lifecycle(frontend, engine, processor, metrics, banner, args.drain_timeout)
+            _lifecycle(frontend, engine, processor, metrics, banner, args.drain_timeout, args.step_timeout)
         )
         engine.run()  # until the lifecycle stops it
         lifecycle.result(timeout=30)

@@ -51,7 +51,8 @@ class Pod:
 
     @property
     def routable(self) -> bool:
-        return self.healthy and self.load is not None and self.load.serving
+        # A stalled pod (its engine loop wedged in one step) answers reports but serves nothing.
+        return self.healthy and self.load is not None and self.load.serving and not self.load.stalled
 
     def on_report(self, report: epb.LoadReport) -> None:
         self.load = report

@@ -100,6 +100,10 @@ class PodPool:
             logger.warning("pool: %s pod %s stalled; ending its %d in-flight call(s)",
                            pod.role, pod.address, len(pod.calls))
         self.eject(pod, reason)
+        self._end_calls(pod, reason)
+
+    @staticmethod
+    def _end_calls(pod: Pod, reason: str) -> None:
         for deadline in list(pod.calls):
             deadline.expire(f"engine pod stalled: {reason}")
 
@@ -141,4 +145,15 @@ class PodPool:
             pod.on_report(report)
             if not was_routable and pod.routable:
                 logger.info("pool: %s pod %s is serving", pod.role, pod.address)
+            if report.stalled:
+                self._end_calls_of_stalled(pod, was_routable)
             self.on_change()
+
+    def _end_calls_of_stalled(self, pod: Pod, was_routable: bool) -> None:
+        """The pod still reports, but its engine loop is wedged in one step
+        (it says so past its --step-timeout): not routable (Pod.routable), and
+        its calls end now (retried elsewhere when nothing was streamed)."""
+        if was_routable:
+            logger.warning("pool: %s pod %s reports its engine loop stalled; ending its %d in-flight call(s)",
+                           pod.role, pod.address, len(pod.calls))
+        self._end_calls(pod, "its engine loop is stuck in one step")

@@ -139,7 +139,7 @@ class LoadRequest(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., interval_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "kv_cache_usage", "num_kv_blocks", "num_free_kv_blocks", "block_size", "matched_prefix_blocks", "serving")
+    __slots__ = ("role", "num_running", "num_waiting", "kv_cache_usage", "num_kv_blocks", "num_free_kv_blocks", "block_size", "matched_prefix_blocks", "serving", "stalled")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class LoadReport(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MATCHED_PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_waiting: int
@@ -158,4 +159,5 @@ class LoadReport(_message.Message):
     block_size: int
     matched_prefix_blocks: int
     serving: bool
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., matched_prefix_blocks: _Optional[int] = ..., serving: _Optional[bool] = ...) -> None: ...
+    stalled: bool
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., matched_prefix_blocks: _Optional[int] = ..., serving: _Optional[bool] = ..., stalled: _Optional[bool] = ...) -> None: ...

@@ -88,9 +88,12 @@ class FakeStub:
         self.load_calls: list[FakeCall] = []
         # Generate responses before its streams go silent (None: never).
         self.generate_silent_after: int | None = None
+        # The pod reports its engine loop wedged in one step (still reporting).
+        self.stalled = False
 
     def StreamLoad(self, request):
-        reports = (epb.LoadReport(role="mixed", serving=True) for _ in itertools.count())
+        # The stub's `stalled` as of each report: the pod's step watchdog.
+        reports = (epb.LoadReport(role="mixed", serving=True, stalled=self.stalled) for _ in itertools.count())
         self.load_calls.append(FakeCall(self.process, reports))
         return self.load_calls[-1]
 
@@ -194,6 +197,33 @@ def test_ejection_for_another_reason_lets_the_pods_streams_finish(fake_pods):
         pool.eject(a, "generate: UNAVAILABLE")
         rest = await _drain(stream)
         assert len(rest) == TOKENS - 1 and rest[-1].finish_reason == "length"
+        await pool.close()
+
+    _run(scenario())
+
+
+def test_a_pod_reporting_its_engine_loop_stalled_gets_no_work_and_its_calls_end(fake_pods):
+    """Its reports still come (the gRPC side lives), but they say a step is
+    stuck: the calls there end (a fresh one is retried on b), nothing new is
+    routed to it, and it rejoins when it reports healthy again."""
+    async def scenario():
+        pool, a, b = await _fake_pool(load_timeout_s=5.0)
+        a.stub.generate_silent_after = 1  # its engine loop stops stepping...
+        streaming = _generate(pool, [a, b])
+        await streaming.__anext__()
+        a.stub.generate_silent_after = 0  # a call sent now hears nothing at all
+        tried: list[str] = []
+        fresh = asyncio.create_task(_drain(_generate(pool, [a, b], tried)))
+        await _until(lambda: len(a.calls) == 2)
+        a.stub.stalled = True  # ...and its watchdog says so in the next report
+        with pytest.raises(StreamBroken, match="engine loop is stuck in one step"):
+            await _drain(streaming)
+        responses = await fresh
+        assert tried == ["a:1", "b:1"] and responses[-1].finish_reason == "length"
+        assert not a.routable and b.routable and not a.calls
+        assert pool.routable() == [b]
+        a.stub.stalled = False
+        await _until(lambda: a.routable)
         await pool.close()
 
     _run(scenario())
