@@ -1,7 +1,9 @@
-"""What the gateway tests read off running processes: Prometheus sums and
-an engine pod's in-flight count."""
+"""What the gateway tests read off running processes: Prometheus sums, an
+engine pod's in-flight count, a streamed response's chunks."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 
@@ -33,3 +35,12 @@ def in_flight(pod) -> int:
     with pod_channel(pod.address) as channel:
         report = engine_pb2_grpc.EngineStub(channel).GetLoad(engine_pb2.LoadRequest())
     return report.num_running + report.num_waiting
+
+
+async def sse_data(response):
+    """The `data:` payloads of a streamed (SSE) response: each JSON chunk
+    parsed, and the closing "[DONE]" as the string itself."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            yield data if data == "[DONE]" else json.loads(data)

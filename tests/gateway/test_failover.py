@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
 
 from engine_pod.server.process import EnginePodProcess
 from gateway.process import GatewayProcess
-from tests.gateway.observe import metric_sum
+from tests.gateway.observe import metric_sum, sse_data
 from tests.gateway.conftest import MODEL_NAME, POD_ARGS, gateway_config
 
 NUM_REQUESTS = 100
@@ -27,14 +26,11 @@ async def _stream_one(http: httpx.AsyncClient, base_url: str, i: int) -> dict:
         if r.status_code != 200:
             result["error"] = (await r.aread()).decode()
             return result
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
+        async for data in sse_data(r):
             if data == "[DONE]":
                 result["done"] = True
-            elif "error" in json.loads(data):
-                result["error"] = json.loads(data)["error"]
+            elif "error" in data:
+                result["error"] = data["error"]
             else:
                 result["chunks"] += 1
     return result

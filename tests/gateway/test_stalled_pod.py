@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import signal
 import time
@@ -32,7 +31,7 @@ from gateway.pods.deadline import NoProgress, ProgressDeadline
 from gateway.process import GatewayProcess
 from tessera.v1 import engine_pb2 as epb
 from tests.gateway.conftest import MODEL_NAME, POD_ARGS, gateway_config
-from tests.gateway.observe import aborted, in_flight, metric_sum
+from tests.gateway.observe import aborted, in_flight, metric_sum, sse_data
 
 # -- fake pods ------------------------------------------------------------
 
@@ -330,14 +329,11 @@ async def _stream(http: httpx.AsyncClient, url: str, i: int, max_tokens: int, re
     try:
         async with http.stream("POST", url + "/v1/completions", json=body) as r:
             result["status"] = r.status_code
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
+            async for data in sse_data(r):
                 if data == "[DONE]":
                     result["done"] = True
-                elif "error" in json.loads(data):
-                    result["error"] = json.loads(data)["error"]
+                elif "error" in data:
+                    result["error"] = data["error"]
                 else:
                     result["times"].append(time.monotonic())
     finally:
