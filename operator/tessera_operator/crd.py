@@ -161,6 +161,11 @@ def _engine() -> Schema:
         "drainTimeoutSeconds": integer("Seconds in-flight requests get to finish after SIGTERM; the pods' "
                                        "termination grace period follows from it.", default=30, minimum=0,
                                        maximum=3600),
+        "stepTimeoutSeconds": integer("Seconds one engine step may run before the pod reports itself stalled "
+                                      "(the gateway ends its streams and routes around it; health turns "
+                                      "NOT_SERVING until the step ends). Raise it for large models on CPU, "
+                                      "where one long prefill step can take minutes; 0: never.",
+                                      default=60, minimum=0, maximum=86400),
         "attentionBackend": string("auto: triton kernels on GPUs, the C++ cpu kernels on CPUs (torch where "
                                    "either cannot run); torch, triton or cpu to force one (one that cannot "
                                    "run fails the pod at start-up).",

@@ -37,6 +37,7 @@ def engine_args(owner: Owner, spec: dict, role: str) -> list[str]:
              "--scheduling-policy", engine["schedulingPolicy"],
              "--tensor-parallel-size", str(engine["tensorParallelSize"]),
              "--drain-timeout", str(engine["drainTimeoutSeconds"]),
+             "--step-timeout", str(engine["stepTimeoutSeconds"]),
              "--attention-backend", engine["attentionBackend"]]
     if "speculative" in engine:
         args += ["--speculative-config", speculative_config_json(engine["speculative"])]

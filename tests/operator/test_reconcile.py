@@ -33,7 +33,8 @@ FULL_SPEC = {
     "mode": "disaggregated",
     "engine": {"tensorParallelSize": 1, "blockSize": 32, "maxNumBatchedTokens": 4096, "maxNumSeqs": 64,
                "prefixCaching": False, "gpuMemoryUtilization": 0.85, "schedulingPolicy": "fcfs",
-               "gpuResourceName": "amd.com/gpu", "drainTimeoutSeconds": 45, "attentionBackend": "triton",
+               "gpuResourceName": "amd.com/gpu", "drainTimeoutSeconds": 45, "stepTimeoutSeconds": 300,
+               "attentionBackend": "triton",
                "speculative": {"numSpeculativeTokens": 3, "promptLookupMax": 5}},
     "pools": {
         "prefill": {"replicas": 2, "minReplicas": 1, "maxReplicas": 3,
@@ -89,7 +90,7 @@ def test_engine_args_carry_every_engine_field(full):
                 "--served-model-name": "llama-70b", "--dtype": "bfloat16", "--max-model-len": "8192",
                 "--block-size": "32", "--max-num-batched-tokens": "4096", "--max-num-seqs": "64",
                 "--gpu-memory-utilization": "0.85", "--scheduling-policy": "fcfs", "--tensor-parallel-size": "1",
-                "--drain-timeout": "45", "--attention-backend": "triton", "--kv-host-bytes": str(2 * 1024**3),
+                "--drain-timeout": "45", "--step-timeout": "300", "--attention-backend": "triton", "--kv-host-bytes": str(2 * 1024**3),
                 "--kv-redis-key-prefix": "tessera:ml/llama:", "--health-port": "50062"}
     for flag, value in expected.items():
         assert arg_value(args, flag) == value, flag
