@@ -1,5 +1,5 @@
 """One choice of a request: engine responses -> text deltas, stop strings,
-logprobs, finish reason (the gateway half of DESIGN.md invariant 3)."""
+logprobs, finish reason (the gateway half of docs/architecture.md, invariant 3)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The served model as the gateway sees it: tokenizer, chat template, limits.
 
-Engine pods speak token ids (DESIGN.md invariant 3): prompts are tokenized
+Engine pods speak token ids (docs/architecture.md, invariant 3): prompts are tokenized
 here exactly as the offline `LLM` does (`tokenizer.encode`), so the same
 text gives the same ids and the same greedy output either way.
 """

@@ -1,4 +1,4 @@
-"""The chained block hash: the single definition (DESIGN.md, invariant 1).
+"""The chained block hash: the single definition (docs/architecture.md, invariant 1).
 
 A block's hash covers its parent's hash, the token ids of the (full) block and
 extra keys such as the tenant's cache salt. Chaining makes a hash name the

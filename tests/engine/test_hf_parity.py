@@ -1,5 +1,5 @@
 """Greedy outputs equal Hugging Face's token for token under every engine
-feature (DESIGN.md invariant 2). Float64 makes the comparison well-posed:
+feature (docs/architecture.md, invariant 2). Float64 makes the comparison well-posed:
 in float32, different batchings round differently and flip near-ties."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Tensor parallelism: TP>1 gives the same greedy tokens as TP=1
-(DESIGN.md invariant 2), through the offline API and the CLI.
+(docs/architecture.md, invariant 2), through the offline API and the CLI.
 
 Float64, as in the HF parity tests: the row-parallel all-reduce sums partial
 products in another order than one GEMM, which in lower precision can flip

@@ -1,6 +1,6 @@
 """The engine with the tiered KV store: sharing across processes, P/D,
 faults, tenant isolation and offload on eviction. Greedy outputs must equal
-recomputation in every case (DESIGN.md invariant 2)."""
+recomputation in every case (docs/architecture.md, invariant 2)."""
 
 from __future__ import annotations
 
