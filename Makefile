@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TINY   := models/tiny
 
-.PHONY: venv run test proto bench-models clean
+.PHONY: venv run test lint proto bench-models clean
 
 # torch first, pinned: it takes the local CPU wheel; a looser pin pulls a CUDA build.
 $(STAMP): pyproject.toml
@@ -27,6 +27,10 @@ run: $(STAMP) $(TINY)/model.safetensors
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# ruff's pycodestyle, pyflakes, bugbear and pyupgrade rules (pyproject.toml); .ci/run runs it first.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 # Regenerate the gRPC/protobuf stubs (their one home is tessera/v1) from proto/.
 proto: $(STAMP)

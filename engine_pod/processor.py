@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Union
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -14,7 +14,7 @@ from engine_pod.structured_output.backend_xgrammar import validate as validate_s
 from tessera.text import encode_prompt
 
 # A prompt is text, or vLLM's token form {"prompt_token_ids": [...]}.
-PromptType = Union[str, dict[str, Any]]
+PromptType = str | dict[str, Any]
 
 
 @dataclass

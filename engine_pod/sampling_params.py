@@ -118,7 +118,7 @@ class SamplingParams:
             ids |= eos_token_ids
         self.all_stop_token_ids = ids
 
-    def clone_for_child(self, index: int) -> "SamplingParams":
+    def clone_for_child(self, index: int) -> SamplingParams:
         """Parameters of the index-th of n parallel samples: n=1, and a distinct
         seed per child so seeded samples differ yet stay reproducible."""
         from dataclasses import replace

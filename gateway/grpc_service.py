@@ -43,7 +43,7 @@ def _parser(message_class):
     return parse
 
 
-def add_to_server(service: "InferenceService", server) -> None:
+def add_to_server(service: InferenceService, server) -> None:
     """tessera.v1.Inference on `server`, registered as the generated
     add_InferenceServicer_to_server does, except that bytes which are not the
     method's message reach the method (INVALID_ARGUMENT, after the key) rather

@@ -40,7 +40,7 @@ class ServedModel:
         self.vocab_size = self.vocab_size or len(self.tokenizer)
 
     @classmethod
-    def load(cls, config: ModelConfig) -> "ServedModel":
+    def load(cls, config: ModelConfig) -> ServedModel:
         tokenizer = load_tokenizer(config.path)
         max_len = config.max_model_len or _max_position_embeddings(Path(config.path))
         eos = frozenset(load_eos_token_ids(config.path, tokenizer))
@@ -57,7 +57,8 @@ class ServedModel:
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as e:  # jinja raises TemplateError and friends for messages it refuses
-            raise PromptError(f"messages: the chat template rejected them: {e}", "invalid_messages", "messages") from None
+            raise PromptError(f"messages: the chat template rejected them: {e}", "invalid_messages",
+                              "messages") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The template writes the special tokens (BOS) itself.

@@ -63,7 +63,7 @@ class PriorityClasses:
         self._default = self._by_name[default]
 
     @classmethod
-    def from_config(cls, items: list[Any] | None, default: str | None) -> "PriorityClasses":
+    def from_config(cls, items: list[Any] | None, default: str | None) -> PriorityClasses:
         """Items are mappings (or dataclasses) with name, priority, weight, sheddable.
 
         None gives the built-in set. Without a default, "standard" is used if

@@ -86,7 +86,7 @@ class Gateway:
         await self.pool.close()
 
     # -- the pipeline ----------------------------------------------------
-    async def open_stream(self, req: GenerationRequest, tenant: Tenant, endpoint: str) -> "ResponseStream":
+    async def open_stream(self, req: GenerationRequest, tenant: Tenant, endpoint: str) -> ResponseStream:
         """The request admitted, routed and answering (its first output
         read); raises GatewayError for every refusal. `tenant` comes from
         `authenticate`, which the front ends call before they read the body."""

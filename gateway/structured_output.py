@@ -16,7 +16,8 @@ from engine_pod.structured_output.backend_xgrammar import validate
 from engine_pod.structured_output.params import StructuredOutputsParams
 from gateway.errors import bad_request
 
-_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
 
 
 def checked(make, param: str) -> StructuredOutputsParams:

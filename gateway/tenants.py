@@ -95,18 +95,18 @@ class TenantRegistry:
         self._open_access = open_access
 
     @classmethod
-    def open_access(cls, secret: InternalSecret) -> "TenantRegistry":
+    def open_access(cls, secret: InternalSecret) -> TenantRegistry:
         """No tenants configured: everyone is the unlimited tenant "anonymous"."""
         anonymous = Tenant(ANONYMOUS, None, None, RateLimits(), _cache_salt(secret, ANONYMOUS, None))
         return cls([anonymous], {}, open_access=True)
 
     @classmethod
-    def load(cls, path: str | Path, secret: InternalSecret) -> "TenantRegistry":
+    def load(cls, path: str | Path, secret: InternalSecret) -> TenantRegistry:
         """From a YAML/JSON file, or a directory (Secret mount) holding tenants.yaml."""
         return cls.from_dict(_read_file(_resolve_file(Path(path))), secret)
 
     @classmethod
-    def from_dict(cls, data: Any, secret: InternalSecret) -> "TenantRegistry":
+    def from_dict(cls, data: Any, secret: InternalSecret) -> TenantRegistry:
         """``secret``: the deployment's internal secret, the key of the cache salts."""
         if not isinstance(data, dict):
             raise TenantConfigError("tenants file: expected a mapping with a `tenants` list")

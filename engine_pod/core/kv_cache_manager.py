@@ -20,7 +20,7 @@ class PrefixCacheStats:
     queries: int = 0
     hits: int = 0
 
-    def reset(self) -> "PrefixCacheStats":
+    def reset(self) -> PrefixCacheStats:
         out = PrefixCacheStats(self.queries, self.hits)
         self.queries = self.hits = 0
         return out

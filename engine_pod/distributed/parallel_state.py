@@ -57,7 +57,8 @@ def single_rank_group(device: torch.device) -> TensorParallelGroup:
     return TensorParallelGroup(0, 1, device)
 
 
-def init_tensor_parallel_group(rank: int, world_size: int, store_path: str, device: torch.device) -> TensorParallelGroup:
+def init_tensor_parallel_group(rank: int, world_size: int, store_path: str,
+                               device: torch.device) -> TensorParallelGroup:
     """Join the group: gloo on CPU, nccl on CUDA (device ``cuda:rank``).
 
     Rendezvous through a file the executor names, not a TCP port: no port to

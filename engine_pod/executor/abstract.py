@@ -32,5 +32,5 @@ class Executor(ABC):
     def forward_seconds(self) -> float:
         """Time spent in model forwards so far (for efficiency figures)."""
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional: executors without processes have nothing to stop
         pass

@@ -150,7 +150,8 @@ class RowParallelLinear(PackableLinear):
                 raise ValueError(f"weight {source.name}: checkpoint shape {source.shape} != {tuple(target.shape)}")
             data = source.columns(self.group.rank * self.in_per_rank, self.in_per_rank)
         if data.shape != target.shape:
-            raise ValueError(f"weight {source.name}: checkpoint shape {source.shape} does not fit {tuple(target.shape)}")
+            raise ValueError(f"weight {source.name}: checkpoint shape {source.shape} "
+                             f"does not fit {tuple(target.shape)}")
         target.data.copy_(data)
 
 

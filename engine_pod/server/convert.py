@@ -56,7 +56,8 @@ def request_from_proto(
     if mode not in _KNOWN_MODES:
         raise ValueError(f"kv_transfer.mode: unknown value {mode}; known: {sorted(_KNOWN_MODES)}")
     if mode not in _ROLE_MODES[role]:
-        raise NotImplementedError(f"kv_transfer.mode: {pb.KVTransferParams.Mode.Name(mode)} is not served by a {role} pod")
+        mode_name = pb.KVTransferParams.Mode.Name(mode)
+        raise NotImplementedError(f"kv_transfer.mode: {mode_name} is not served by a {role} pod")
     if mode != pb.KVTransferParams.MODE_NONE and not shared_kv_store:
         raise NotImplementedError("kv_transfer.mode: P/D transfer needs a shared KV store (--kv-redis-url)")
     prompt = processor.process_prompt({"prompt_token_ids": list(msg.prompt_token_ids)})
@@ -85,6 +86,7 @@ def response_from_output(out: EngineCoreOutput, num_prompt_tokens: int) -> pb.Ge
     if isinstance(out.stop_reason, int):
         resp.stop_token_id = out.stop_reason
     for lp in out.new_logprobs or ():
-        entries = [pb.TokenLogprob(token_id=t, logprob=v, rank=r) for t, v, r in zip(lp.token_ids, lp.logprobs, lp.ranks)]
+        entries = [pb.TokenLogprob(token_id=t, logprob=v, rank=r)
+                   for t, v, r in zip(lp.token_ids, lp.logprobs, lp.ranks)]
         resp.logprobs.append(pb.TokenLogprobs(entries=entries))
     return resp

@@ -34,7 +34,8 @@ class EngineMetrics:
         self.num_requests_running = gauge("tessera:num_requests_running", "Requests in the running set")
         self.num_requests_waiting = gauge("tessera:num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_cache_usage = gauge("tessera:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)")
-        self.prefix_cache_queries = counter("tessera:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_queries = counter("tessera:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("tessera:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.num_preemptions = counter("tessera:num_preemptions", "Requests preempted (recompute)")
         # Mean accepted length = 1 + accepted_tokens / drafts; acceptance rate = accepted / draft_tokens.
@@ -50,7 +51,8 @@ class EngineMetrics:
             "tessera:request_success", "Finished requests by finish reason", labels + ["finished_reason"], registry=r
         )
         self._model = model_name
-        self.queue_time = histogram("tessera:request_queue_time_seconds", "Arrival to first scheduled", _LATENCY_BUCKETS)
+        self.queue_time = histogram("tessera:request_queue_time_seconds", "Arrival to first scheduled",
+                                    _LATENCY_BUCKETS)
         self.ttft = histogram("tessera:time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS)
         self.itl = histogram("tessera:inter_token_latency_seconds", "Time between output tokens", _ITL_BUCKETS)
         self.e2e = histogram("tessera:e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
@@ -113,10 +115,12 @@ class KVStoreCollector:
 
         yield counter("tessera:kv_store_lookups", "Blocks looked up in the KV store", s.lookups)
         yield per_tier("tessera:kv_store_hits", "Blocks loaded from the KV store", s.host_hits, s.redis_hits)
-        yield per_tier("tessera:kv_store_read_bytes", "Bytes read from the KV store", s.bytes_read_host, s.bytes_read_redis)
+        yield per_tier("tessera:kv_store_read_bytes", "Bytes read from the KV store", s.bytes_read_host,
+                       s.bytes_read_redis)
         yield per_tier("tessera:kv_store_written_bytes", "Bytes written to the KV store",
                        s.bytes_written_host, s.bytes_written_redis)
-        yield counter("tessera:kv_store_write_drops", "Redis writes dropped (write-behind queue full)", s.writes_dropped)
+        yield counter("tessera:kv_store_write_drops", "Redis writes dropped (write-behind queue full)",
+                      s.writes_dropped)
         yield self._rejected(labels, m)
         summary = SummaryMetricFamily("tessera:kv_store_load_seconds", "Time to load a run of blocks", labels=labels)
         summary.add_metric(m, count_value=s.loads, sum_value=s.load_seconds)

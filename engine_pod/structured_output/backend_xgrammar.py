@@ -87,7 +87,7 @@ class Grammar:
     matcher: xgr.GrammarMatcher
 
     @classmethod
-    def create(cls, compiled: xgr.CompiledGrammar) -> "Grammar":
+    def create(cls, compiled: xgr.CompiledGrammar) -> Grammar:
         return cls(xgr.GrammarMatcher(compiled))
 
     def accept_tokens(self, token_ids: list[int]) -> bool:

@@ -108,7 +108,7 @@ class StructuredOutputsParams:
         return isinstance(other, StructuredOutputsParams) and self.key == other.key
 
     @classmethod
-    def from_dict(cls, value: Any, where: str = "structured_outputs") -> "StructuredOutputsParams":
+    def from_dict(cls, value: Any, where: str = "structured_outputs") -> StructuredOutputsParams:
         """From a JSON body's object, e.g. ``{"json": {...}}``."""
         if not isinstance(value, dict):
             raise ValueError(f"{where}: must be an object with one of {', '.join(KINDS)}")

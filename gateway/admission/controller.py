@@ -34,7 +34,7 @@ class Ticket:
     request cannot overrun the limit; `release` gives back what it did not
     generate."""
 
-    def __init__(self, controller: "AdmissionController", tenant: Tenant, priority_class: PriorityClass,
+    def __init__(self, controller: AdmissionController, tenant: Tenant, priority_class: PriorityClass,
                  limiter: TenantLimiter, prompt_tokens: int, queue_wait_s: float, reserved_output_tokens: int = 0):
         self.tenant = tenant
         self.priority_class = priority_class
@@ -72,7 +72,7 @@ class Ticket:
         self._limiter.finish(unused_tokens=max(0, self.reserved_output_tokens - self.output_tokens))
         self._controller._slot_freed()
 
-    def __enter__(self) -> "Ticket":
+    def __enter__(self) -> Ticket:
         return self
 
     def __exit__(self, *exc_info) -> None:

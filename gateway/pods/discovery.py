@@ -75,7 +75,8 @@ class EndpointSliceWatcher:
                 slices = {s.metadata.name: api.api_client.sanitize_for_serialization(s) for s in listed.items}
                 self._publish(role, slices)
                 stream = watch.Watch().stream(api.list_namespaced_endpoint_slice, self.config.namespace,
-                                              label_selector=selector, resource_version=listed.metadata.resource_version,
+                                              label_selector=selector,
+                                              resource_version=listed.metadata.resource_version,
                                               timeout_seconds=int(self.config.resync_s))
                 for event in stream:
                     obj = api.api_client.sanitize_for_serialization(event["object"])

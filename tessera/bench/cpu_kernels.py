@@ -112,7 +112,8 @@ def bench_linear(arch, dtype, token_counts, repeats, gen) -> list[dict]:
     flops_per_token = 2 * sum(w.shape[0] * w.shape[1] for layer in dense for w in layer)
     rows = []
     for tokens in token_counts:
-        inputs = {k: torch.randn(tokens, k, generator=gen).to(dtype) for k in {w.shape[1] for l in dense for w in l}}
+        widths = {w.shape[1] for layer in dense for w in layer}
+        inputs = {k: torch.randn(tokens, k, generator=gen).to(dtype) for k in widths}
 
         def run_dense():
             for layer in dense:

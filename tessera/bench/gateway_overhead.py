@@ -63,7 +63,7 @@ class Clients:
     output_len: int
     calls: dict[str, Call] = field(default_factory=dict)
 
-    async def __aenter__(self) -> "Clients":
+    async def __aenter__(self) -> Clients:
         import aiohttp
 
         self._pod_channel = InternalClient.from_env().aio_channel(self.pod_address)

@@ -64,7 +64,8 @@ def main(args: argparse.Namespace) -> int:
                    "--no-prefix-caching"]
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
               enable_prefix_caching=False)
-    requests = sharegpt_like(llm.get_tokenizer(), args.num_requests, args.max_prompt_len, args.max_output_len, args.seed)
+    requests = sharegpt_like(llm.get_tokenizer(), args.num_requests, args.max_prompt_len, args.max_output_len,
+                             args.seed)
     expected = sum(r.output_len for r in requests)
     cpu_before = _cpu_seconds()
     offline = run_engine(llm, requests)

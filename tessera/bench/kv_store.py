@@ -155,7 +155,8 @@ def main(args: argparse.Namespace) -> int:
             report = {"ttft": ttft}
             t = report["ttft"]
             print(f"TTFT of a {args.prompt_len}-token prompt (median of {args.repeats}): recompute "
-                  f"{t['recompute']['median_ttft_s'] * 1000:.0f} ms; host tier {t['host_tier']['median_ttft_s'] * 1000:.0f} ms "
+                  f"{t['recompute']['median_ttft_s'] * 1000:.0f} ms; "
+                  f"host tier {t['host_tier']['median_ttft_s'] * 1000:.0f} ms "
                   f"({t['host_tier']['speedup_vs_recompute']:.1f}x); Redis {t['redis']['median_ttft_s'] * 1000:.0f} ms "
                   f"({t['redis']['speedup_vs_recompute']:.1f}x)")
             large = BlockLayout(**{**layout.__dict__, **_LARGE_LAYOUT})
@@ -173,7 +174,8 @@ def main(args: argparse.Namespace) -> int:
                 server.client.flushall()
                 tier = _tier_read_throughput(server.url, value_bytes, batch, args.read_mib << 20, args.run_blocks)
                 server.client.flushall()
-                bench = _redis_benchmark(server.port, value_bytes, max(200, (args.read_mib << 20) // value_bytes), batch)
+                requests = max(200, (args.read_mib << 20) // value_bytes)
+                bench = _redis_benchmark(server.port, value_bytes, requests, batch)
                 rounds.append({**tier, "redis_benchmark_get_gb_s": bench})
             one = statistics.median(r["one_block_per_key_gb_s"] for r in rounds)
             run = statistics.median(r[f"{args.run_blocks}_blocks_per_key_gb_s"] for r in rounds)

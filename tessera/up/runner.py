@@ -175,7 +175,8 @@ def _client_host(options: LocalOptions) -> str:
 def banner(plan: LocalPlan, options: LocalOptions, log_dir: Path) -> str:
     host = _client_host(options)
     base = f"http://{host}:{options.http_port}"
-    roles = ", ".join(f"{sum(e.role == r for e in plan.engines)} {r}" for r in dict.fromkeys(e.role for e in plan.engines))
+    roles = ", ".join(f"{sum(e.role == r for e in plan.engines)} {r}"
+                      for r in dict.fromkeys(e.role for e in plan.engines))
     key = "YOUR_API_KEY" if options.tenants_file else "local"
     return f"""
 Tessera is up: InferenceService {plan.name!r}, model {plan.model_name!r}, engine pods: {roles}

@@ -158,7 +158,8 @@ def test_penalties_change_the_greedy_choice(llm):
             llm.generate([_tp(p) for p in prompts], SamplingParams(temperature=0.0, max_tokens=32))]
     assert sum(_num_repeats(t) for t in base) > 0  # premise: plain greedy repeats itself here
 
-    rep = llm.generate([_tp(p) for p in prompts], SamplingParams(temperature=0.0, max_tokens=32, repetition_penalty=100.0))
+    rep = llm.generate([_tp(p) for p in prompts],
+                       SamplingParams(temperature=0.0, max_tokens=32, repetition_penalty=100.0))
     for prompt, out in zip(prompts, rep):
         ids = out.outputs[0].token_ids
         # Seen tokens (prompt or output) lose to unseen ones.

@@ -114,7 +114,7 @@ def test_logprobs_completions_and_chat(platform):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     # Special tokens (the random model emits some) are in the logprobs, not the text.
     assert "".join(t for t in lp.tokens if not t.startswith("<|")) == r.choices[0].text
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert logprob <= 0 and len(top) == 3
         # Greedy: the sampled token is the most likely one.
         assert max(top.values()) == pytest.approx(logprob, abs=1e-5)

@@ -274,8 +274,8 @@ def _nested_schema(depth: int) -> str:
 
 @pytest.mark.parametrize("depth", [600, 5000])
 def test_a_schema_nested_too_deeply_is_refused_not_a_server_error(platform, depth):
-    body = ('{"model": "%s", "prompt": "hi", "max_tokens": 2, "guided_json": %s}'
-            % (MODEL_NAME, _nested_schema(depth))).encode()
+    body = f'{{"model": "{MODEL_NAME}", "prompt": "hi", "max_tokens": 2, "guided_json": {_nested_schema(depth)}}}'
+    body = body.encode()
     r = httpx.post(platform.base_url + "/v1/completions", content=body, timeout=BOUND_S,
                    headers={**AUTH, "Content-Type": "application/json"})
     assert r.status_code == 400, r.text

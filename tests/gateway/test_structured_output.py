@@ -98,7 +98,8 @@ BAD_REST = [
     ({"response_format": _json_schema_format({"type": 5})}, "response_format", "invalid JSON schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", "'yaml' is not one of"),
-    ({"extra_body": {"structured_outputs": {"regex": "(ab"}}}, "structured_outputs", "structured_outputs.regex: invalid regex"),
+    ({"extra_body": {"structured_outputs": {"regex": "(ab"}}}, "structured_outputs",
+     "structured_outputs.regex: invalid regex"),
     ({"extra_body": {"structured_outputs": {"regexp": "a"}}}, "structured_outputs", "unknown field(s) ['regexp']"),
     ({"extra_body": {"structured_outputs": {}}}, "structured_outputs", "give one of"),
     ({"extra_body": {"guided_grammar": "root ::= nothing"}}, "guided_grammar", "invalid grammar"),
@@ -198,7 +199,8 @@ def test_engine_pod_generate_guided_and_its_metrics(engine_pods, offline_llm):
 
 
 @pytest.mark.parametrize("constraint,message", [
-    (spb.StructuredOutputs(json='{"properties": {"a": {"$ref": "#/nope"}}}'), "structured_outputs.json: invalid JSON schema"),
+    (spb.StructuredOutputs(json='{"properties": {"a": {"$ref": "#/nope"}}}'),
+     "structured_outputs.json: invalid JSON schema"),
     (spb.StructuredOutputs(json="[1, 2]"), "structured_outputs.json: the schema must be a JSON object"),
     (spb.StructuredOutputs(regex="(ab"), "structured_outputs.regex: invalid regex"),
     (spb.StructuredOutputs(grammar="root ::= missing"), "structured_outputs.grammar: invalid grammar"),

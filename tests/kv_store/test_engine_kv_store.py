@@ -123,8 +123,10 @@ def test_second_pod_loads_the_first_pods_blocks_from_redis(tiny_llama, recompute
 def test_prefill_and_decode_pods_match_mixed_mode(tiny_llama, redis_server, recomputed, tmp_path):
     prompts = _prompts(4, seed=2, lengths=(100, 250, 37, 200))  # none a multiple of the block size
     redis_args = ["--kv-redis-url", redis_server.url]
-    with EnginePodProcess(tiny_llama, POD_ARGS + redis_args + ["--role", "prefill"], log_path=tmp_path / "p.log") as prefill, \
-         EnginePodProcess(tiny_llama, POD_ARGS + redis_args + ["--role", "decode"], log_path=tmp_path / "d.log") as decode:
+    with EnginePodProcess(tiny_llama, POD_ARGS + redis_args + ["--role", "prefill"],
+                          log_path=tmp_path / "p.log") as prefill, \
+         EnginePodProcess(tiny_llama, POD_ARGS + redis_args + ["--role", "decode"],
+                          log_path=tmp_path / "d.log") as decode:
         prefill.wait_serving()
         decode.wait_serving()
 

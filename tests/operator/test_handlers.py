@@ -217,7 +217,8 @@ def test_timer_scales_decode_on_kv_usage_and_leaves_prefill(cluster, events):
     patch = call(on_tick, body, cluster, memo=memo)
     assert cluster.deployment("ml", "llama-decode")["spec"]["replicas"] == 2
     decode = patch["status"]["pools"]["decode"]
-    assert decode["desiredReplicas"] == 2 and decode["lastScaleTime"] == body["status"]["pools"]["decode"]["lastScaleTime"]
+    assert decode["desiredReplicas"] == 2
+    assert decode["lastScaleTime"] == body["status"]["pools"]["decode"]["lastScaleTime"]
     assert len([e for e in events() if e[1] == "ScaleUp"]) == 1
 
 

@@ -90,7 +90,8 @@ def test_engine_args_carry_every_engine_field(full):
                 "--served-model-name": "llama-70b", "--dtype": "bfloat16", "--max-model-len": "8192",
                 "--block-size": "32", "--max-num-batched-tokens": "4096", "--max-num-seqs": "64",
                 "--gpu-memory-utilization": "0.85", "--scheduling-policy": "fcfs", "--tensor-parallel-size": "1",
-                "--drain-timeout": "45", "--step-timeout": "300", "--attention-backend": "triton", "--kv-host-bytes": str(2 * 1024**3),
+                "--drain-timeout": "45", "--step-timeout": "300", "--attention-backend": "triton",
+                "--kv-host-bytes": str(2 * 1024**3),
                 "--kv-redis-key-prefix": "tessera:ml/llama:", "--health-port": "50062"}
     for flag, value in expected.items():
         assert arg_value(args, flag) == value, flag

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
-import pytest
 
 from engine_pod.server.process import EnginePodProcess
 from tests.otlp import otlp_collector, otlp_env  # noqa: F401 (fixture)

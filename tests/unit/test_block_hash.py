@@ -37,7 +37,8 @@ def test_digest_does_not_depend_on_python_hash_seed():
     outs = []
     for seed in ("1", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(REPO))
-        res = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True)
+        res = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                             check=True)
         outs.append(res.stdout.strip())
     assert outs[0] == outs[1]
     assert outs[0] == b"".join(hash_request_tokens(TOKENS, BS, cache_salt="tenant-a")).hex()

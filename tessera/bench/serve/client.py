@@ -67,7 +67,7 @@ class ServeClient:
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=request_timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> "ServeClient":
+    async def __aenter__(self) -> ServeClient:
         # limit=0: no cap on open connections; the benchmark's own
         # --max-concurrency is the only cap, so the pool never queues requests.
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self._timeout,
