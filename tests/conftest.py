@@ -24,6 +24,29 @@ if not torch.cuda.is_available():
 TEST_INTERNAL_SECRET = "tessera-test-internal-secret-0123456789abcdef"
 os.environ.setdefault("TESSERA_INTERNAL_SECRET", TEST_INTERNAL_SECRET)
 
+_REPO = Path(__file__).resolve().parent.parent
+
+# End-to-end tests get the `slow` marker (`pytest -m "not slow"` is the quick
+# loop; CI runs everything): those that use a fixture starting engine pods or
+# a gateway, and those in the modules below, which start their own processes
+# (pods, gateways, `tessera up`, tensor-parallel workers).
+_PROCESS_FIXTURES = frozenset({"engine_pods", "platform", "fuzz_gateway", "pd_platform", "one_at_a_time", "pod",
+                               "tls_pod", "stoppable"})
+_E2E_PATHS = (
+    "tests/pod/", "tests/up/test_up_e2e.py", "tests/bench/test_serve_e2e.py",
+    "tests/engine/test_tensor_parallel.py", "tests/engine/test_tensor_parallel_faults.py",
+    "tests/kv_store/test_engine_kv_store.py", "tests/gateway/test_disaggregation.py",
+    "tests/gateway/test_failover.py", "tests/gateway/test_priority_saturation.py", "tests/gateway/test_tracing.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        path = item.path.resolve().relative_to(_REPO).as_posix()
+        if _PROCESS_FIXTURES & set(item.fixturenames) or path.startswith(_E2E_PATHS):
+            item.add_marker(pytest.mark.slow)
+
+
 _CACHE = Path(os.environ.get("TESSERA_TEST_MODELS", Path(__file__).resolve().parent.parent / ".cache" / "test-models"))
 
 
