@@ -32,7 +32,7 @@ from gateway.priority import PriorityClasses
 from gateway.serving import Gateway
 from gateway.tenants import TenantRegistry
 from tessera.internal_channel import InternalClient
-from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, InternalSecret
+from tessera.internal_secret import InternalSecret, InternalSecretError
 from tessera.tracing import configure_tracing
 from tessera.v1 import inference_pb2
 
@@ -84,11 +84,11 @@ def run(args: argparse.Namespace) -> int:
 def internal_client(config: InternalConfig) -> InternalClient:
     """The credentials the gateway presents to engine pods. No secret, no
     gateway: the pods would refuse every call."""
-    secret = InternalSecret.load(config.secret_file)
-    if secret is None:
-        raise GatewayConfigError(
-            f"no internal secret: engine pods accept only callers holding the deployment's internal secret; "
-            f"set internal.secret_file, {SECRET_FILE_ENV} (a file holding it) or {SECRET_ENV}")
+    try:
+        secret = InternalSecret.require("engine pods accept only callers holding the deployment's internal secret",
+                                        config.secret_file, setting="internal.secret_file")
+    except InternalSecretError as e:
+        raise GatewayConfigError(str(e)) from None
     try:
         return InternalClient(secret, config.tls)
     except ValueError as e:

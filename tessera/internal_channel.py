@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 
-from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, InternalSecret
+from tessera.internal_secret import InternalSecret
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,7 @@ class InternalClient:
     @classmethod
     def from_env(cls, tls: InternalTLS | None = None) -> InternalClient:
         """With the secret of this process's environment (benchmarks, tests)."""
-        secret = InternalSecret.load()
-        if secret is None:
-            raise ValueError(f"no internal secret: set {SECRET_FILE_ENV} (a file holding it) or {SECRET_ENV}; "
-                             "`tessera internal-secret` makes one")
-        return cls(secret, tls)
+        return cls(InternalSecret.require("engine pods answer only callers holding the internal secret"), tls)
 
     def aio_channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
         interceptors = _aio_interceptors(self.secret.metadata())

@@ -84,6 +84,21 @@ class InternalSecret:
             return cls.from_text(env[SECRET_ENV])
         return None
 
+    @classmethod
+    def require(cls, needed_for: str, path: str | Path | None = None, setting: str = "",
+                otherwise: str = "") -> InternalSecret:
+        """``load()``, or an InternalSecretError saying what needs the secret
+        (``needed_for``) and every way to give it: ``setting`` (a config key
+        that names a file) first, then the environment, then ``otherwise``."""
+        secret = cls.load(path)
+        if secret is None:
+            ways = f"{setting}, " if setting else ""
+            alternative = f", or {otherwise}" if otherwise else ""
+            raise InternalSecretError(
+                f"no internal secret: {needed_for}; set {ways}{SECRET_FILE_ENV} (a file holding it) or {SECRET_ENV} "
+                f"(`tessera internal-secret` makes one){alternative}")
+        return secret
+
     # -- derived keys ------------------------------------------------------
     def derive(self, purpose: str) -> bytes:
         """A 32-byte key for one purpose (HMAC-SHA256 of the secret over a label)."""

@@ -43,7 +43,7 @@ from engine_pod.server.grpc_service import EngineService
 from engine_pod.server.step_watchdog import watch_steps
 from engine_pod.server.cpu_share import cpu_share
 from engine_pod.server.metrics import EngineMetrics, KVStoreCollector, StructuredOutputCollector
-from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, InternalSecret
+from tessera.internal_secret import InternalSecret
 from tessera.roles import POD_ROLES
 from tessera.tracing import configure_tracing
 from tessera.text import load_eos_token_ids
@@ -103,11 +103,8 @@ def _caller_auth(args: argparse.Namespace) -> list[grpc.aio.ServerInterceptor]:
         logger.warning("--no-internal-auth: ANY client that reaches port %d can read and generate from every "
                        "tenant's cached KV; use it only for a pod nobody else can reach", args.grpc_port)
         return []
-    secret = InternalSecret.load()
-    if secret is None:
-        raise ValueError(f"no internal secret: set {SECRET_FILE_ENV} (a file holding it) or {SECRET_ENV} "
-                         "to the deployment's internal secret (`tessera internal-secret` makes one), "
-                         "or pass --no-internal-auth for a pod nobody else can reach")
+    secret = InternalSecret.require("engine pods serve only callers holding the deployment's internal secret",
+                                    otherwise="pass --no-internal-auth for a pod nobody else can reach")
     return [InternalAuthInterceptor(secret)]
 
 
