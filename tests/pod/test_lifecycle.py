@@ -96,6 +96,9 @@ def test_queue_bound_answers_resource_exhausted(tiny_llama, tmp_path):
     ("--kv-redis-url", "http://nope", "kv_redis_url"),
     ("--kv-write-queue-size", "0", "kv_write_queue_size"),
     ("--cpu-threads", "-1", "cpu_threads"),
+    ("--step-timeout", "-1", "step_timeout"),
+    ("--health-port", "50061", "health_port"),  # the default --grpc-port
+    ("--tls-cert-file", "/nonexistent.pem", "--tls-key-file"),  # all three or none
 ])
 def test_bad_flags_exit_2_naming_the_field(tiny_llama, flag, value, field):
     proc = subprocess.run(
