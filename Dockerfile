@@ -26,6 +26,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /opt/tessera
 COPY pyproject.toml README.md ./
 COPY tessera/ tessera/
+COPY tessera_tools/ tessera_tools/
 COPY engine_pod/ engine_pod/
 COPY kv_store/ kv_store/
 COPY gateway/ gateway/

@@ -1,6 +1,7 @@
 """Tiered, content-addressed KV block store. Home of the one block-hash definition."""
 
 from kv_store.block_hash import (
+    DEFAULT_BLOCK_SIZE,
     NONE_HASH,
     BlockHash,
     hash_block_tokens,
@@ -9,6 +10,7 @@ from kv_store.block_hash import (
 )
 
 __all__ = [
+    "DEFAULT_BLOCK_SIZE",
     "NONE_HASH",
     "BlockHash",
     "hash_block_tokens",

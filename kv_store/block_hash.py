@@ -18,6 +18,11 @@ from collections.abc import Sequence
 
 BlockHash = bytes
 
+# Tokens per KV block, the one default: the engine's CacheConfig and --block-size flag, the
+# gateway's model.block_size and the CRD's engine.blockSize all take it from here (the engine
+# and the gateway must hash prefixes with the same block size for prefix affinity to work).
+DEFAULT_BLOCK_SIZE = 16
+
 # Parent of the first block: a fixed, versioned seed. Changing the encoding
 # below must change this seed so stale stored blocks can never be matched.
 NONE_HASH: BlockHash = hashlib.sha256(b"tessera-block-hash-v1").digest()

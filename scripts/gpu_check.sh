@@ -10,7 +10,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi -L
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 for preset in tiny bench; do
-  $PY -m tessera.cli make-model --preset $preset models/$preset || exit 1
+  $PY -m tessera_tools.cli make-model --preset $preset models/$preset || exit 1
 done
 
 echo "== profiled KV budget and a generation on CUDA"
@@ -23,12 +23,12 @@ print([o.outputs[0].token_ids for o in out])
 PYEOF
 
 echo "== HF parity with the engine on CUDA (float64)"
-TESSERA_TEST_DEVICE=cuda $PY -m pytest tests/engine/test_hf_parity.py -q -x -p no:cacheprovider 2>&1 | tail -4
+TESSERA_TEST_DEVICE=cuda $PY -m pytest tests/engine_pod/test_hf_parity.py -q -x -p no:cacheprovider 2>&1 | tail -4
 
 echo "== benchmarks on CUDA (bfloat16)"
-$PY -m tessera.cli bench throughput --model models/bench --dtype bfloat16 --device cuda --output "$OUT/throughput_gpu.json" 2>&1 | grep -v -i "warn\|indices\|Loading weights"
-$PY -m tessera.cli bench prefix-cache --model models/bench --dtype bfloat16 --device cuda --output "$OUT/prefix_cache_gpu.json" 2>&1 | grep -v -i "warn\|indices\|Loading weights"
+$PY -m tessera_tools.cli bench throughput --model models/bench --dtype bfloat16 --device cuda --output "$OUT/throughput_gpu.json" 2>&1 | grep -v -i "warn\|indices\|Loading weights"
+$PY -m tessera_tools.cli bench prefix-cache --model models/bench --dtype bfloat16 --device cuda --output "$OUT/prefix_cache_gpu.json" 2>&1 | grep -v -i "warn\|indices\|Loading weights"
 
 echo "== triton attention kernels on CUDA: the CPU suite's cases compiled for the GPU, then the benchmark"
-$PY -m pytest tests/unit/test_triton_attention.py tests/engine/test_triton_backend.py -q -x -p no:cacheprovider 2>&1 | tail -4
-$PY -m tessera.cli bench kernels --output "$OUT/kernels_gpu.json" 2>"$OUT/kernels_gpu.log"
+$PY -m pytest tests/engine_pod/attention/test_triton_attention.py tests/engine_pod/test_triton_backend.py -q -x -p no:cacheprovider 2>&1 | tail -4
+$PY -m tessera_tools.cli bench kernels --output "$OUT/kernels_gpu.json" 2>"$OUT/kernels_gpu.log"

@@ -11,7 +11,7 @@ import argparse
 import json
 import random
 
-from tessera.fixtures.tokenizer import corpus_lines
+from tessera_tools.fixtures.tokenizer import corpus_lines
 from tessera.text import encode_prompt, load_tokenizer
 
 

@@ -25,7 +25,7 @@ PARENT_PID_ENV = "TESSERA_PARENT_PID"
 
 
 def die_with_parent() -> None:
-    """Called by a child at start-up (tessera.cli): SIGTERM when the parent
+    """Called by a child at start-up (tessera_tools.cli): SIGTERM when the parent
     that started it dies, so a killed parent leaves no orphans. Set here
     rather than in a preexec_fn: that would make subprocess fork() a parent
     whose gRPC threads can deadlock the fork."""
@@ -40,13 +40,13 @@ def die_with_parent() -> None:
 class ChildProcess:
     def __init__(self, args: list[str], env: dict | None = None, log_path: str | Path | None = None,
                  cpus: frozenset[int] | None = None) -> None:
-        """Runs `python -m tessera.cli ARGS`, its output appended to `log_path`
+        """Runs `python -m tessera_tools.cli ARGS`, its output appended to `log_path`
         (or nowhere), pinned to `cpus` when given. The child gets its own
         session (a terminal's Ctrl-C reaches only the parent, which stops
         children in order) and dies with the parent (`die_with_parent`)."""
         self._log = open(log_path, "a") if log_path else subprocess.DEVNULL
         env = {**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tessera.cli", *args], env=env, stdout=self._log,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tessera_tools.cli", *args], env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         if cpus:
             # Before the child starts its thread pools (model loading takes

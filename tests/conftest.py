@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.fixtures import make_model
+from tessera_tools.fixtures import make_model
 
 # Triton decides when a kernel is decorated (its module's first import)
 # whether it compiles for the GPU or runs in the numpy interpreter. Without
@@ -33,8 +33,8 @@ _REPO = Path(__file__).resolve().parent.parent
 _PROCESS_FIXTURES = frozenset({"engine_pods", "platform", "fuzz_gateway", "pd_platform", "one_at_a_time", "pod",
                                "tls_pod", "stoppable"})
 _E2E_PATHS = (
-    "tests/pod/", "tests/up/test_up_e2e.py", "tests/bench/test_serve_e2e.py",
-    "tests/engine/test_tensor_parallel.py", "tests/engine/test_tensor_parallel_faults.py",
+    "tests/engine_pod/server/", "tests/tessera_tools/up/test_up_e2e.py", "tests/tessera_tools/bench/test_serve_e2e.py",
+    "tests/engine_pod/test_tensor_parallel.py", "tests/engine_pod/test_tensor_parallel_faults.py",
     "tests/kv_store/test_engine_kv_store.py", "tests/gateway/test_disaggregation.py",
     "tests/gateway/test_failover.py", "tests/gateway/test_priority_saturation.py", "tests/gateway/test_tracing.py",
 )

@@ -12,7 +12,7 @@ from gateway.process import GatewayProcess
 from gateway.tenants import hash_api_key
 
 # float64 so greedy tokens equal the offline engine's whatever the batch
-# composition (see tests/engine/test_hf_parity.py).
+# composition (see tests/engine_pod/test_hf_parity.py).
 MAX_MODEL_LEN = 256
 # One torch thread per pod: several pods share this machine's cores, and
 # oversubscribed OpenMP threads slow every pod down many times over.

@@ -8,7 +8,7 @@ import json
 import httpx
 
 from tessera.v1 import engine_pb2, engine_pb2_grpc
-from tests.pod.client import pod_channel
+from tests.engine_pod.server.client import pod_channel
 
 
 def metric_sum(url: str, name: str, **labels: str) -> float:

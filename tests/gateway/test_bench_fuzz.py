@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from tessera.cli import build_parser
+from tessera_tools.cli import build_parser
 from tests.gateway.conftest import KEYS
 
 

@@ -15,10 +15,10 @@ import pytest
 
 from engine_pod import SamplingParams
 from engine_pod.structured_output import StructuredOutputsParams
-from tessera.bench.guided_workload import SCHEMAS
+from tessera_tools.bench.guided_workload import SCHEMAS
 from tests.gateway.conftest import KEYS, MODEL_NAME, client
 from tests.gateway.observe import metric_sum, pod_metrics_url
-from tests.pod.client import generate_all, pod_channel
+from tests.engine_pod.server.client import generate_all, pod_channel
 from tessera.v1 import engine_pb2 as epb
 from tessera.v1 import engine_pb2_grpc as epb_grpc
 from tessera.v1 import inference_pb2 as pb

@@ -19,7 +19,7 @@ from kv_store.block_hash import hash_request_tokens
 from tessera.internal_secret import InternalSecret
 from tessera.v1 import engine_pb2 as pb
 from tessera.v1 import engine_pb2_grpc as pb_grpc
-from tests.pod.client import collect, greedy, pod_aio_channel, pod_channel
+from tests.engine_pod.server.client import collect, greedy, pod_aio_channel, pod_channel
 
 BLOCK = 16
 ENGINE_KW = dict(dtype="float64", max_model_len=512, kv_cache_memory_bytes=16 << 20)
@@ -329,7 +329,7 @@ def _descendants(pid: int) -> list[int]:
 def test_a_bad_redis_url_is_refused_without_echoing_its_password(tiny_llama, monkeypatch, capsys, caplog):
     """`tessera engine` in this process (its start-up fails before any model loads)."""
     from kv_store.redis_tier import REDIS_URL_ENV
-    from tessera.cli import main
+    from tessera_tools.cli import main
 
     monkeypatch.setenv(REDIS_URL_ENV, "http://user:hunter2-redis-pw@redis:6379/0")
     assert main(["engine", "--model", str(tiny_llama), "--metrics-port", "0"]) == 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import kopf
 import pytest
 
-from tessera import cli
+from tessera_tools import cli
 from tessera_operator import main as operator_main
 from tessera_operator.kube import KubeApi
 

@@ -1,0 +1,180 @@
+"""``tessera bench cpu-kernels``: what a CPU engine's two kernel choices buy,
+on the model's own shapes, side by side in one run.
+
+- decode attention over all layers of one step: the torch backend (gather
+  each decode group's blocks, then attend) against the cpu backend's C++
+  kernel (reads K/V in place through the block table), over a scattered
+  paged cache, for several batch sizes;
+- the projections of all layers (q/k/v, o, gate/up, down) and the LM head at
+  several token counts: dense weights through torch's GEMM against weights
+  packed for oneDNN. Each layer has its own weights, so like the engine the
+  GEMMs stream weights from memory instead of finding them in cache.
+
+Each pair is first checked to compute the same result (the command fails
+otherwise).
+Times are the best of ``--repeats`` rounds of one full pass over the layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from engine_pod.attention.backend import AttentionMetadata
+from engine_pod.model.hf_config import load_arch_config, parse_dtype
+from tessera_tools.bench.common import add_common_args, write_report
+
+
+def _best_of(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _decode_step(arch, batch: int, context: int, block_size: int, dtype, gen):
+    """One decode per sequence, contexts spread over [context/2, 3*context/2],
+    blocks scattered over the pool; per-layer caches."""
+    lens = torch.randint(context // 2, context * 3 // 2, (batch,), generator=gen).numpy()
+    blocks_per_seq = -(-lens // block_size)
+    num_blocks = int(blocks_per_seq.sum())
+    perm = torch.randperm(num_blocks, generator=gen).numpy()
+    table = np.zeros((batch, int(blocks_per_seq.max())), dtype=np.int64)
+    start = 0
+    for i, nb in enumerate(blocks_per_seq):
+        table[i, :nb] = perm[start : start + nb]
+        start += nb
+    slots = table[np.arange(batch), (lens - 1) // block_size] * block_size + (lens - 1) % block_size
+    qsl = np.arange(batch + 1, dtype=np.int64)
+    md = AttentionMetadata(batch, batch, torch.from_numpy(slots), torch.from_numpy(qsl), torch.from_numpy(lens),
+                           torch.from_numpy(table), qsl, lens.astype(np.int64), block_size)
+    shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(arch.num_hidden_layers)]
+    q = torch.randn(batch, arch.num_attention_heads, arch.head_dim, generator=gen).to(dtype)
+    kv = torch.randn(batch, arch.num_key_value_heads, arch.head_dim, generator=gen).to(dtype)
+    return md, caches, q, kv
+
+
+def bench_attention(arch, dtype, batches, context, block_size, repeats, gen) -> list[dict]:
+    from engine_pod.attention.cpu_backend import CpuAttentionBackend
+    from engine_pod.attention.torch_backend import TorchAttentionBackend
+
+    rows = []
+    for batch in batches:
+        md, caches, q, kv = _decode_step(arch, batch, context, block_size, dtype, gen)
+        row = {"batch": batch, "mean_context": float(md.seq_lens_cpu.mean())}
+        outputs = []
+        for backend in (TorchAttentionBackend(), CpuAttentionBackend()):
+            md.backend_cache.clear()
+            outputs.append(backend.forward(q, kv, kv, caches[0], md, arch.head_dim**-0.5))
+            def step(backend=backend):
+                md.backend_cache.clear()  # planned once per step, as in the engine
+                for cache in caches:
+                    backend.forward(q, kv, kv, cache, md, arch.head_dim**-0.5)
+            row[f"{backend.name}_ms"] = _best_of(step, repeats) * 1e3
+        # Timing means nothing if the two disagree.
+        row["max_abs_diff"] = float((outputs[0].double() - outputs[1].double()).abs().max())
+        if not torch.allclose(outputs[0].double(), outputs[1].double(), rtol=1e-3, atol=1e-3):
+            raise RuntimeError(f"batch {batch}: the cpu kernel and the torch backend disagree "
+                               f"(max |diff| {row['max_abs_diff']:.3g})")
+        kv_bytes = 2 * float(md.seq_lens_cpu.sum()) * arch.num_key_value_heads * arch.head_dim * q.element_size()
+        row["kv_gb_per_s_cpu"] = kv_bytes * arch.num_hidden_layers / (row["cpu_ms"] / 1e3) / 1e9
+        row["speedup"] = row["torch_ms"] / row["cpu_ms"]
+        rows.append(row)
+        print(f"decode attention, batch {batch:4d}, mean context {row['mean_context']:6.0f}: torch "
+              f"{row['torch_ms']:8.1f} ms, cpu kernel {row['cpu_ms']:7.1f} ms ({row['speedup']:.1f}x, "
+              f"K/V read at {row['kv_gb_per_s_cpu']:.1f} GB/s)", flush=True)
+    return rows
+
+
+def _projection_shapes(arch) -> list[tuple[int, int]]:
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    return [(q + 2 * kv, arch.hidden_size), (arch.hidden_size, q), (2 * arch.intermediate_size, arch.hidden_size),
+            (arch.hidden_size, arch.intermediate_size)]
+
+
+def bench_linear(arch, dtype, token_counts, repeats, gen) -> list[dict]:
+    shapes = _projection_shapes(arch)
+    dense = [[torch.randn(n, k, generator=gen).to(dtype) * 0.02 for n, k in shapes]
+             for _ in range(arch.num_hidden_layers)]
+    dense.append([torch.randn(arch.vocab_size, arch.hidden_size, generator=gen).to(dtype) * 0.02])
+    try:
+        packed = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in layer] for layer in dense]
+    except RuntimeError as exc:
+        print(f"oneDNN cannot pack {dtype} here: {exc}")
+        return []
+    flops_per_token = 2 * sum(w.shape[0] * w.shape[1] for layer in dense for w in layer)
+    rows = []
+    for tokens in token_counts:
+        widths = {w.shape[1] for layer in dense for w in layer}
+        inputs = {k: torch.randn(tokens, k, generator=gen).to(dtype) for k in widths}
+
+        def run_dense():
+            for layer in dense:
+                for w in layer:
+                    torch.nn.functional.linear(inputs[w.shape[1]], w)
+
+        def run_packed():
+            for layer in packed:
+                for w in layer:
+                    torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], w, None, "none", [None], "")
+
+        with torch.inference_mode():
+            x = inputs[dense[0][0].shape[1]]
+            diff = (torch.nn.functional.linear(x, dense[0][0]) -
+                    torch.ops.mkldnn._linear_pointwise(x, packed[0][0], None, "none", [None], "")).abs().max()
+            if diff > 1e-3 * max(1.0, float(x.abs().max())):
+                raise RuntimeError(f"{tokens} tokens: packed and dense products disagree (max |diff| {diff:.3g})")
+            dense_s, packed_s = _best_of(run_dense, repeats), _best_of(run_packed, repeats)
+        row = {"tokens": tokens, "dense_ms": dense_s * 1e3, "packed_ms": packed_s * 1e3,
+               "dense_gflops": flops_per_token * tokens / dense_s / 1e9,
+               "packed_gflops": flops_per_token * tokens / packed_s / 1e9, "speedup": dense_s / packed_s}
+        rows.append(row)
+        print(f"all projections + LM head, {tokens:4d} tokens: dense {row['dense_ms']:7.1f} ms "
+              f"({row['dense_gflops']:5.1f} GFLOP/s), oneDNN-packed {row['packed_ms']:7.1f} ms "
+              f"({row['packed_gflops']:5.1f} GFLOP/s), {row['speedup']:.2f}x", flush=True)
+    return rows
+
+
+def main(args: argparse.Namespace) -> int:
+    from engine_pod.attention.cpu_ops.build import load_cpu_ops
+    from engine_pod.worker.cpu_malloc import keep_freed_memory_in_heap
+
+    reason = load_cpu_ops()
+    if reason is not None:
+        print(f"the cpu attention kernels cannot run here: {reason}")
+        return 1
+    keep_freed_memory_in_heap()  # as the engine does: no page faults on every step's buffers
+    arch = load_arch_config(args.model)
+    dtype = torch.float32 if args.dtype == "auto" else parse_dtype(args.dtype)
+    gen = torch.Generator().manual_seed(args.seed)
+    print(f"{args.model}: {arch.num_hidden_layers} layers, {torch.get_num_threads()} threads, {dtype}")
+    report = {
+        "dtype": str(dtype), "threads": torch.get_num_threads(),
+        "attention": bench_attention(arch, dtype, args.batches, args.context, args.block_size, args.repeats, gen),
+        "linear": bench_linear(arch, dtype, args.tokens, args.repeats, gen),
+    }
+    if args.output:
+        write_report(report, args.output)
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def add_parser(kinds) -> None:
+    p = kinds.add_parser("cpu-kernels", help="CPU decode attention and packed GEMMs vs the torch paths")
+    add_common_args(p)
+    p.add_argument("--batches", type=_ints, default=[1, 8, 32, 128], help="decode batch sizes")
+    p.add_argument("--context", type=int, default=400, help="mean context length of the decodes")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--tokens", type=_ints, default=[1, 8, 32, 128, 512, 2048], help="GEMM token counts")
+    p.add_argument("--repeats", type=int, default=5)
+    p.set_defaults(bench_func=main)

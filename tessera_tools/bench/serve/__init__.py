@@ -1,0 +1,63 @@
+"""``tessera bench serve``: a serving benchmark against any OpenAI-compatible
+endpoint (Tessera's gateway or another server), with the request arrivals,
+metrics and names of `vllm bench serve`.
+
+    tessera bench serve --base-url http://127.0.0.1:8000/v1 --request-rates 1,2,4,8 \\
+        --num-prompts 100 --output-json bench-results/serve.json --plot-dir bench-results/serve
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tessera_tools.bench.serve.runner import main  # aiohttp, transformers: only when the command runs
+
+    return main(args)
+
+
+def add_parser(kinds) -> None:
+    p = kinds.add_parser("serve", help="latency and throughput of an OpenAI-compatible endpoint under load")
+    target = p.add_argument_group("target")
+    target.add_argument("--base-url", required=True, help="the API root, e.g. http://127.0.0.1:8000/v1")
+    target.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY, else none)")
+    target.add_argument("--model", default=None, help="model name to request (default: the first of GET /models)")
+    target.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                        help="/v1/completions (text prompt) or /v1/chat/completions (messages)")
+    target.add_argument("--no-ignore-eos", action="store_true",
+                        help="do not send ignore_eos (by default it is sent, and dropped if the server refuses it)")
+    target.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds a request may wait for its next bytes before it counts as failed")
+
+    data = p.add_argument_group("dataset")
+    data.add_argument("--dataset-path", default=None,
+                      help='JSONL: {"prompt": TEXT, "output_len": N} or {"messages": [...], "output_len": N} per line '
+                           "(default: the seeded synthetic ShareGPT-like workload)")
+    data.add_argument("--tokenizer", default=None,
+                      help="checkpoint folder whose tokenizer measures prompt lengths (default: Tessera's preset one)")
+    data.add_argument("--num-prompts", type=int, default=200, help="requests per rate")
+    data.add_argument("--max-prompt-len", type=int, default=512, help="synthetic: longest prompt, in tokens")
+    data.add_argument("--max-output-len", type=int, default=256, help="synthetic: longest output, in tokens")
+    data.add_argument("--prefix-groups", type=int, default=0,
+                      help="each request starts with one of this many shared prefixes (0: none)")
+    data.add_argument("--prefix-len", type=int, default=256, help="tokens of each shared prefix")
+    data.add_argument("--seed", type=int, default=0, help="seed of the dataset, prefix choice and arrivals")
+
+    load = p.add_argument_group("load")
+    rates = load.add_mutually_exclusive_group()
+    rates.add_argument("--request-rate", default="inf", help="requests/s, or inf: all at once (default)")
+    rates.add_argument("--request-rates", default=None, help="a sweep, comma-separated, e.g. 1,2,4,8,inf")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the arrivals: 1 Poisson, < 1 burstier, > 1 more even")
+    load.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    load.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests sent one by one first")
+
+    out = p.add_argument_group("results")
+    out.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                     help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000 (milliseconds)")
+    out.add_argument("--metric-percentiles", default="99", help="percentiles to report, e.g. 50,90,99")
+    out.add_argument("--output-json", default="bench-results/serve.json", help="write the results as JSON here")
+    out.add_argument("--plot-dir", default=None, help="write PNG plots here")
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    p.set_defaults(bench_func=_run)

@@ -1,0 +1,113 @@
+"""``tessera bench throughput``: offline throughput of Tessera vs HF static batching."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict, dataclass
+
+from engine_pod import LLM, SamplingParams
+from tessera_tools.bench.common import add_common_args, write_report
+from tessera_tools.bench.workload import BenchRequest, sharegpt_like
+
+
+@dataclass
+class EngineRunResult:
+    seconds: float
+    useful_tokens: int
+    forward_seconds: float
+    steps: int
+    preemptions: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.useful_tokens / self.seconds
+
+    @property
+    def share_outside_forward(self) -> float:
+        return 1.0 - self.forward_seconds / self.seconds
+
+
+def run_engine(llm: LLM, requests: list[BenchRequest]) -> EngineRunResult:
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    executor = llm.engine_core.executor
+    forward_before, steps_before = executor.forward_seconds, llm.stats.steps
+    preempt_before = llm.stats.num_preemptions
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    useful = sum(len(o.outputs[0].token_ids) for o in outputs)
+    expected = sum(r.output_len for r in requests)
+    if useful != expected:
+        raise RuntimeError(f"engine produced {useful} tokens, expected {expected}")
+    return EngineRunResult(
+        seconds, useful, executor.forward_seconds - forward_before,
+        llm.stats.steps - steps_before, llm.stats.num_preemptions - preempt_before,
+    )
+
+
+def _warm_up(llm: LLM) -> None:
+    llm.generate([{"prompt_token_ids": [5] * 64}] * 4, SamplingParams(temperature=0.0, max_tokens=4))
+
+
+def main(args: argparse.Namespace) -> int:
+    llm = LLM(
+        args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), enable_prefix_caching=False,
+        device=args.device,
+    )
+    tokenizer = llm.get_tokenizer()
+    requests = sharegpt_like(tokenizer, args.num_requests, args.max_prompt_len, args.max_output_len, args.seed)
+    _warm_up(llm)
+    engine = run_engine(llm, requests)
+    report = {
+        "workload": {
+            "num_requests": len(requests),
+            "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+            "output_tokens": engine.useful_tokens,
+            "max_prompt_len": max(len(r.prompt_token_ids) for r in requests),
+            "max_output_len": max(r.output_len for r in requests),
+        },
+        "tessera": {**asdict(engine), "tokens_per_second": engine.tokens_per_second,
+                    "share_outside_forward": engine.share_outside_forward},
+    }
+    print(f"dtype {llm.config.model.dtype}, device {llm.config.device}")
+    print(f"tessera: {engine.useful_tokens} tokens in {engine.seconds:.1f}s = {engine.tokens_per_second:.1f} tok/s; "
+          f"{engine.share_outside_forward:.1%} of wall time outside the forward; {engine.steps} steps")
+    if not args.skip_hf:
+        from tessera_tools.bench.hf_baseline import run_hf_in_fresh_process
+
+        llm_dtype, device = llm.config.model.dtype, llm.config.device
+        del llm  # free the engine's KV cache before HF runs
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        hf = run_hf_in_fresh_process(args.model, requests, pad, args.hf_batch_size, llm_dtype, str(device))
+        hf_tps = hf.useful_tokens / hf.seconds
+        report["hf"] = {**asdict(hf), "tokens_per_second": hf_tps, "batch_size": args.hf_batch_size}
+        report["dtype"] = str(llm_dtype)
+        report["speedup"] = engine.tokens_per_second / hf_tps
+        print(f"hf static batches of {args.hf_batch_size}: {hf.useful_tokens} useful tokens in {hf.seconds:.1f}s "
+              f"= {hf_tps:.1f} tok/s; Tessera / HF = {report['speedup']:.1f}x")
+    if args.output:
+        write_report(report, args.output)
+    return 0
+
+
+def add_parser(kinds) -> None:
+    p = kinds.add_parser("throughput", help="offline throughput: Tessera vs HF static batching")
+    add_common_args(p)
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--max-prompt-len", type=int, default=512)
+    p.add_argument("--max-output-len", type=int, default=256)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-gib", type=float, default=4.0)
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--skip-hf", action="store_true", help="run Tessera only")
+    p.set_defaults(bench_func=main)

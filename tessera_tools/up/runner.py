@@ -1,0 +1,198 @@
+"""``tessera up -f FILE.yaml``: an InferenceService on this machine.
+
+The gateway and every engine pod run as child processes on loopback ports
+(see plan.py for what differs from a cluster); Redis too when the resource
+names one and no --redis-url is given. Ctrl-C (SIGINT) or SIGTERM drains
+and stops every child; a child that crashes is restarted with back-off.
+
+Each run generates its own internal secret (what the operator's Secret is in
+a cluster), writes it to a file only this user may read, and names the file
+to every child by environment: no credential is ever on a command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import yaml
+from grpc_health.v1 import health_pb2
+
+from engine_pod.server.process import health_status
+from gateway.process import gateway_health
+from tessera.child_process import ChildProcess, free_port
+from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, SECRET_KEY, InternalSecret
+from tessera_tools.up.plan import EngineChild, LocalOptions, LocalPlan, build_plan
+from tessera_tools.up.supervisor import Supervisor
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("up", help="run an InferenceService on this machine (gateway + engine pods)")
+    p.add_argument("-f", "--file", required=True, help="InferenceService YAML (the one kubectl applies)")
+    p.add_argument("--models-dir", default="models", help="local folder standing in for the model PVC")
+    p.add_argument("--host", default="127.0.0.1", help="the gateway's listen address")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=0, help="the gateway's /metrics (default: a free port)")
+    p.add_argument("--tenants-file", default=None, help="tenants file (stands in for gateway.tenantsSecretRef)")
+    p.add_argument("--redis-url", default=None,
+                   help="Redis for kvStore.redis (default: a private redis-server is started)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin each engine pod to its own CPUs")
+    p.add_argument("--log-dir", default=None, help="child logs (default: .tessera/up/NAME)")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every pod to serve")
+    p.set_defaults(func=run)
+
+
+def load_resource(path: str | Path) -> dict:
+    try:
+        docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d is not None]
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read: {e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    found = [d for d in docs if isinstance(d, dict) and d.get("kind") == "InferenceService"]
+    if len(found) != 1:
+        raise ValueError(f"{path}: expected exactly one InferenceService document, found {len(found)}")
+    return found[0]
+
+
+class _StopRequested(Exception):
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    options = LocalOptions(models_dir=Path(args.models_dir), host=args.host, http_port=args.http_port,
+                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, tenants_file=args.tenants_file,
+                           redis_url=args.redis_url, pin_cpus=not args.no_pin)
+    resource = load_resource(args.file)
+    redis = None
+    if "redis" in (resource.get("spec") or {}).get("kvStore", {}) and not options.redis_url:
+        redis = _start_redis(Path(args.log_dir or f".tessera/up/{resource['metadata'].get('name', 'local')}"))
+        options = LocalOptions(**{**options.__dict__, "redis_url": redis.url})
+    try:
+        plan = build_plan(resource, options, free_port)
+        log_dir = Path(args.log_dir or f".tessera/up/{plan.name}")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        return _serve(plan, options, log_dir, args.ready_timeout)
+    finally:
+        if redis is not None:
+            redis.stop()
+
+
+def _start_redis(workdir: Path):
+    from kv_store.local_redis import RedisServer
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    return RedisServer(workdir)
+
+
+def write_secret_file(path: Path, secret: InternalSecret) -> Path:
+    """The secret in a file only this user may read (0600 from its creation, never wider)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret.value)
+    return path
+
+
+def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout: float) -> int:
+    for warning in plan.warnings:
+        logger.warning("up: %s", warning)
+    secret_file = write_secret_file(log_dir / SECRET_KEY, InternalSecret.generate())
+    # The file is each child's only secret: one inherited from this shell is blanked (an empty
+    # value counts as unset), so no child holds another deployment's.
+    env = {SECRET_FILE_ENV: str(secret_file), SECRET_ENV: ""}
+    stop = {"requested": False}
+
+    def on_signal(signum, frame):
+        stop["requested"] = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    supervisor = Supervisor()
+    try:
+        for engine in plan.engines:
+            supervisor.add(engine.name, _engine_starter(engine, log_dir, env), stop_order=1)
+        config_path = log_dir / "gateway.yaml"
+        config_path.write_text(yaml.safe_dump(plan.gateway_config, sort_keys=False))
+        supervisor.add("gateway", lambda: ChildProcess(["gateway", "--config", str(config_path)], env=env,
+                                                       log_path=log_dir / "gateway.log"), stop_order=0)
+        _wait_ready(plan, options, supervisor, stop, ready_timeout)
+        print(banner(plan, options, log_dir), flush=True)
+        while not stop["requested"]:
+            supervisor.check()
+            time.sleep(0.2)
+        print("tessera up: stopping (draining in-flight requests)...", flush=True)
+        return 0
+    except _StopRequested:
+        print("tessera up: stopped before the platform was ready", flush=True)
+        return 130
+    finally:
+        supervisor.stop()
+        secret_file.unlink(missing_ok=True)  # the next run makes its own
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _engine_starter(engine: EngineChild, log_dir: Path, env: dict[str, str]):
+    def start() -> ChildProcess:
+        return ChildProcess(engine.args, env={**env, **engine.env}, log_path=log_dir / f"{engine.name}.log",
+                            cpus=engine.cpus)
+    return start
+
+
+def _wait_ready(plan: LocalPlan, options: LocalOptions, supervisor: Supervisor, stop: dict, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    waiting = {e.name: e for e in plan.engines}
+    while time.monotonic() < deadline:
+        if stop["requested"]:
+            raise _StopRequested()
+        supervisor.check()
+        for name, engine in list(waiting.items()):
+            if health_status(engine.address, timeout=0.5) == health_pb2.HealthCheckResponse.SERVING:
+                del waiting[name]
+        if not waiting and _gateway_pods(options) >= len(plan.engines):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"tessera up: not ready after {timeout:.0f} s (waiting for {sorted(waiting) or 'gateway'}); "
+                       "see the logs")
+
+
+def _gateway_pods(options: LocalOptions) -> int:
+    health = gateway_health(f"http://{_client_host(options)}:{options.http_port}")
+    return (health or {}).get("pods", 0)
+
+
+def _client_host(options: LocalOptions) -> str:
+    return "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
+
+
+def banner(plan: LocalPlan, options: LocalOptions, log_dir: Path) -> str:
+    host = _client_host(options)
+    base = f"http://{host}:{options.http_port}"
+    roles = ", ".join(f"{sum(e.role == r for e in plan.engines)} {r}"
+                      for r in dict.fromkeys(e.role for e in plan.engines))
+    key = "YOUR_API_KEY" if options.tenants_file else "local"
+    return f"""
+Tessera is up: InferenceService {plan.name!r}, model {plan.model_name!r}, engine pods: {roles}
+  REST     {base}/v1      (OpenAPI {base}/openapi.json)
+  gRPC     {host}:{options.grpc_port}      (tessera.v1.Inference, health, reflection)
+  metrics  http://{host}:{plan.metrics_port}/metrics      (the gateway's; not on the public port)
+  logs     {log_dir}
+
+curl {base}/v1/completions -H 'Content-Type: application/json' -H 'Authorization: Bearer {key}' \\
+  -d '{{"model": "{plan.model_name}", "prompt": "Hello, my name is", "max_tokens": 16}}'
+
+python - <<'PY'
+from openai import OpenAI
+client = OpenAI(base_url="{base}/v1", api_key="{key}")
+print(client.completions.create(model="{plan.model_name}", prompt="Hello, my name is", max_tokens=16).choices[0].text)
+PY
+
+Ctrl-C drains and stops everything.
+"""

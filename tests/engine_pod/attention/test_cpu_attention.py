@@ -1,0 +1,110 @@
+"""The cpu backend's C++ decode kernel (engine_pod/attention/cpu_ops) against
+the torch backend and the float64 reference, on the randomized cases the
+triton kernels are tested with, plus the dtypes and head sizes only a CPU
+engine runs (float64, head sizes other than 64 and 128)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine_pod.attention.cpu_backend import CpuAttentionBackend
+from engine_pod.attention.cpu_ops.build import extension_name, load_cpu_ops
+from engine_pod.attention.torch_backend import TorchAttentionBackend
+from tessera_tools.fixtures.attention_cases import CORRECTNESS_CASES, build_case, reference_attention
+
+CPU = torch.device("cpu")
+TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+# The shared cases, and the generic (not unrolled) head-size path in every dtype.
+CASES = CORRECTNESS_CASES + [
+    dataclasses.replace(CORRECTNESS_CASES[i], head_dim=dim, dtype=dtype, seed=100 + i)
+    for i, (dim, dtype) in enumerate(
+        [(64, torch.float64), (32, torch.float32), (80, torch.float64), (96, torch.bfloat16), (16, torch.float16)]
+    )
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_built():
+    assert load_cpu_ops() is None
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_decode_kernel_matches_torch_backend_and_reference(case):
+    step = build_case(case, CPU)
+    torch_cache = step.kv_cache.clone()
+    out = CpuAttentionBackend().forward(step.query, step.key, step.value, step.kv_cache, step.metadata, step.scale)
+    step.metadata.backend_cache.clear()
+    expected = TorchAttentionBackend().forward(step.query, step.key, step.value, torch_cache, step.metadata, step.scale)
+    ref = reference_attention(step.query, step.kv_cache, step.metadata, step.tables, step.scale)
+    assert torch.equal(step.kv_cache, torch_cache)  # the same cache write
+    tol = TOLERANCES[case.dtype]
+    nd = step.metadata.num_decodes
+    assert nd == 4
+    # Decodes run the kernel, prefill chunks the torch path: both checked.
+    # The kernel accumulates in float32 (float64 for float64), so in half
+    # precision it is closer to the reference than the torch path it is
+    # compared with: that comparison allows both sides' rounding.
+    torch.testing.assert_close(out[:nd].double(), ref[:nd], rtol=tol, atol=tol)
+    torch.testing.assert_close(out[:nd].double(), expected[:nd].double(), rtol=tol, atol=tol)
+    assert torch.equal(out[nd:], expected[nd:])
+
+
+def test_query_rows_are_read_through_their_strides():
+    case = CORRECTNESS_CASES[1]
+    step = build_case(case, CPU)
+    nd = step.metadata.num_decodes
+    # A query that is a view into a wider [T, 2 * Hq, D] tensor, as a q/k/v split leaves it.
+    wide = torch.randn(step.query.shape[0], 2 * case.num_heads, case.head_dim).to(case.dtype)
+    wide[:, : case.num_heads] = step.query
+    strided = wide[:, : case.num_heads]
+    assert not strided.is_contiguous()
+    out = torch.empty_like(step.query)
+    md = step.metadata
+    torch.ops.tessera_cpu.paged_decode(strided[:nd], step.kv_cache[0], step.kv_cache[1], md.block_table[:nd],
+                                       md.seq_lens[:nd], step.scale, out[:nd])
+    ref = reference_attention(step.query, step.kv_cache, md, step.tables, step.scale)
+    tol = TOLERANCES[case.dtype]
+    torch.testing.assert_close(out[:nd].double(), ref[:nd], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: {**a, "block_table": a["block_table"].int()}, "block_table and seq_lens must be int64"),
+    (lambda a: {**a, "key_cache": a["key_cache"].double()}, "must share a dtype"),
+    (lambda a: {**a, "out": a["out"][:, :1]}, "out must be a contiguous tensor shaped like query"),
+    (lambda a: {**a, "query": a["query"][:, :3]}, "not a multiple of KV heads"),
+    (lambda a: {**a, "value_cache": a["value_cache"][:-1]}, "key and value caches differ in shape"),
+    (lambda a: {**a, "seq_lens": a["seq_lens"][:1]}, "one block-table row and one length per query"),
+])
+def test_bad_arguments_are_refused_with_a_message(change, message):
+    case = CORRECTNESS_CASES[2]  # 8 query heads over 2 KV heads
+    step = build_case(case, CPU)
+    nd = step.metadata.num_decodes
+    args = {"query": step.query[:nd], "key_cache": step.kv_cache[0], "value_cache": step.kv_cache[1],
+            "block_table": step.metadata.block_table[:nd], "seq_lens": step.metadata.seq_lens[:nd],
+            "scale": step.scale, "out": torch.empty_like(step.query[:nd])}
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.tessera_cpu.paged_decode(**change(args))
+
+
+def test_the_build_is_named_after_the_cpu_it_was_compiled_for(monkeypatch):
+    from engine_pod.attention.cpu_ops import build
+
+    here = extension_name()
+    monkeypatch.setattr(build, "_cpu_flags", lambda: "fpu sse2 avx512f")
+    # -march=native code must never be loaded on another kind of CPU.
+    assert extension_name() != here and extension_name().startswith("tessera_cpu_ops_")
+
+
+def test_without_a_compiler_the_reason_says_so(monkeypatch, tmp_path):
+    from engine_pod.attention.cpu_ops import build
+
+    # No build under this directory, and no compiler to make one.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    reason = build.load_cpu_ops.__wrapped__()
+    assert reason == "building the CPU attention kernels failed: no C++ compiler (c++/g++) on PATH"
+    assert not any(tmp_path.iterdir())

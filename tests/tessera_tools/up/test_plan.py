@@ -1,0 +1,182 @@
+"""`tessera up`'s plan: the operator's resource and commands, made local (pure)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tessera_tools.up.plan import LocalOptions, build_plan, split_cpus
+from tessera_tools.up.supervisor import MAX_BACKOFF_S, STABLE_AFTER_S, Supervisor
+from tessera_operator.validation import InvalidInferenceService
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _ports():
+    counter = iter(range(40000, 40100))
+    return lambda: next(counter)
+
+
+def _example(name: str) -> dict:
+    return yaml.safe_load((ROOT / "examples" / name).read_text())
+
+
+def _engine_flags(args: list[str]) -> dict[str, str]:
+    return {a: b for a, b in zip(args, args[1:]) if a.startswith("--")}
+
+
+def test_mixed_example_two_pinned_replicas_behind_a_static_gateway(tiny_llama):
+    options = LocalOptions(models_dir=tiny_llama.parent, http_port=8123, grpc_port=8124, cpus=(0, 1))
+    plan = build_plan(_example("local.yaml"), options, _ports())
+    assert [e.name for e in plan.engines] == ["mixed-0", "mixed-1"]
+    assert [e.cpus for e in plan.engines] == [frozenset({0}), frozenset({1})]
+    for engine in plan.engines:
+        flags = _engine_flags(engine.args)
+        assert engine.args[0] == "engine" and flags["--role"] == "mixed"
+        assert flags["--model"] == str(tiny_llama.resolve())
+        assert flags["--host"] == "127.0.0.1" and flags["--grpc-port"] == str(engine.grpc_port)
+        assert flags["--cpu-threads"] == "1" and flags["--kv-host-bytes"] == str(256 << 20)
+    gw = plan.gateway_config
+    assert gw["pods"] == {"static": [{"address": e.address, "role": "mixed"} for e in plan.engines]}
+    # /metrics on a port of its own, as in a cluster.
+    assert gw["server"] == {"host": "127.0.0.1", "http_port": 8123, "grpc_port": 8124,
+                            "metrics_port": plan.metrics_port}
+    assert plan.metrics_port not in {8123, 8124} | {p for e in plan.engines for p in (e.grpc_port, e.metrics_port)}
+    assert gw["model"]["path"] == str(tiny_llama.resolve()) and gw["model"]["name"] == "tiny"
+    assert not plan.needs_redis
+
+
+def test_disaggregated_example_needs_redis_and_gets_its_url_by_environment(tiny_llama):
+    """The Redis URL (a password in it) reaches the engines by environment, never in their argv."""
+    url = "redis://:hunter2-redis-password@127.0.0.1:7777/0"
+    options = LocalOptions(models_dir=tiny_llama.parent, redis_url=url, cpus=(0, 1))
+    plan = build_plan(_example("local-disaggregated.yaml"), options, _ports())
+    assert plan.needs_redis
+    assert [(e.name, e.role) for e in plan.engines] == [("prefill-0", "prefill"), ("decode-0", "decode")]
+    for engine in plan.engines:
+        assert engine.env == {"TESSERA_KV_REDIS_URL": url}
+        assert "--kv-redis-url" not in engine.args
+        assert not [a for a in engine.args if "hunter2" in a]
+        # The operator's prefix: this InferenceService's own key space.
+        assert _engine_flags(engine.args)["--kv-redis-key-prefix"] == "tessera:default/local-pd:"
+        assert "hunter2" not in repr(engine)  # nor in a log line of the plan
+    assert "hunter2" not in yaml.safe_dump(plan.gateway_config)
+    assert plan.gateway_config["disaggregation"] == {"min_uncached_tokens": 64}
+
+
+def test_cluster_only_credentials_are_dropped_locally_with_a_warning(tiny_llama):
+    """internalTLS and kvStore.redis.tls name Kubernetes Secrets: no file flags locally, no internal.tls."""
+    resource = _example("local-disaggregated.yaml")
+    resource["spec"]["internalTLS"] = {"secretName": "tls", "serverName": "engine.local"}
+    resource["spec"]["internalSecretRef"] = {"name": "mine"}
+    resource["spec"]["kvStore"]["redis"]["tls"] = {"caSecretRef": {"name": "ca"}}
+    plan = build_plan(resource, LocalOptions(models_dir=tiny_llama.parent, redis_url="redis://127.0.0.1:1/0"),
+                      _ports())
+    for engine in plan.engines:
+        for flag in ("--tls-cert-file", "--tls-client-ca-file", "--kv-redis-ca-file", "--health-port"):
+            assert flag not in engine.args
+    assert "internal" not in plan.gateway_config
+    assert len(plan.warnings) == 3 and all("Kubernetes Secret" in w for w in plan.warnings)
+
+
+def test_the_secret_file_is_private_from_its_creation(tmp_path):
+    from tessera.internal_secret import InternalSecret
+    from tessera_tools.up.runner import write_secret_file
+
+    old_umask = os.umask(0)  # a umask cannot widen it either
+    try:
+        path = write_secret_file(tmp_path / "internal-secret", InternalSecret.generate())
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        first = path.read_bytes()
+        write_secret_file(path, InternalSecret.generate())  # a rerun replaces it
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_bytes() != first
+    assert InternalSecret.load(path) is not None
+
+
+def test_engine_args_parse_with_the_engines_own_parser(tiny_llama):
+    import argparse
+
+    from engine_pod.server.main import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    plan = build_plan(_example("local.yaml"), LocalOptions(models_dir=tiny_llama.parent), _ports())
+    args = parser.parse_args(plan.engines[0].args)
+    assert args.cpu_threads >= 1 and args.max_num_seqs == 64
+
+
+def test_invalid_resources_fail_with_the_operators_messages(tiny_llama):
+    bad = _example("local.yaml")
+    bad["spec"]["pools"]["mixed"]["replicas"] = -1
+    bad["spec"]["engine"]["blockSize"] = "big"
+    with pytest.raises(InvalidInferenceService) as err:
+        build_plan(bad, LocalOptions(models_dir=tiny_llama.parent), _ports())
+    assert "spec.pools.mixed.replicas" in str(err.value) and "spec.engine.blockSize" in str(err.value)
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        build_plan(_example("local.yaml"), LocalOptions(models_dir=Path("/nonexistent")), _ports())
+
+
+def test_split_cpus():
+    assert split_cpus((0, 1, 2, 3), 2) == [frozenset({0, 1}), frozenset({2, 3})]
+    assert split_cpus((0, 1), 3) == [frozenset({0}), frozenset({1}), frozenset({0})]
+
+
+class _FakeProc:
+    def __init__(self):
+        self.code = None
+
+    def poll(self):
+        return self.code
+
+
+class _FakeChild:
+    def __init__(self):
+        self.proc = _FakeProc()
+
+
+def test_supervisor_restarts_with_doubling_backoff_that_resets_when_stable():
+    now = [0.0]
+    started = []
+    sup = Supervisor(clock=lambda: now[0])
+
+    def start():
+        started.append(_FakeChild())
+        return started[-1]
+
+    child = sup.add("engine", start, stop_order=1)
+    waits = []
+    for _ in range(7):
+        started[-1].proc.code = 1  # crash at once
+        sup.check()
+        waits.append(child.restart_at - now[0])
+        now[0] = child.restart_at
+        sup.check()
+    assert waits == [1, 2, 4, 8, 16, 30, 30] and MAX_BACKOFF_S == 30
+    assert child.restarts == 7 and len(started) == 8
+    now[0] += STABLE_AFTER_S
+    sup.check()  # ran a minute: the back-off starts over
+    started[-1].proc.code = 1
+    sup.check()
+    assert child.restart_at - now[0] == 1
+
+
+@pytest.mark.parametrize("text,message", [
+    ("kind: InferenceService\nspec: [", "not valid YAML"),
+    ("kind: Deployment\n", "expected exactly one InferenceService document, found 0"),
+])
+def test_bad_files_are_refused_naming_the_problem(tmp_path, text, message):
+    import subprocess
+    import sys
+
+    path = tmp_path / "isvc.yaml"
+    path.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "tessera_tools.cli", "up", "-f", str(path)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert message in proc.stderr
