@@ -8,6 +8,8 @@ TINY   := models/tiny
 .PHONY: venv run test lint proto bench-models clean
 
 # torch first, pinned: it takes the local CPU wheel; a looser pin pulls a CUDA build.
+# Then the test extra, which pulls the engine and tools extras: every layer, for the suite
+# (a plain `pip install .` is the torch-free control plane).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -28,9 +30,13 @@ run: $(STAMP) $(TINY)/model.safetensors
 test: $(STAMP)
 	$(PY) -m pytest
 
-# ruff's pycodestyle, pyflakes, bugbear and pyupgrade rules (pyproject.toml); .ci/run runs it first.
+# ruff's pycodestyle, pyflakes, bugbear and pyupgrade rules; the layer contracts of
+# docs/architecture.md (import-linter); mypy's type check of the packages in [tool.mypy] files
+# (all three configured in pyproject.toml). .ci/run runs it before the tests.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 # Regenerate the gRPC/protobuf stubs (their one home is tessera/v1) from proto/.
 proto: $(STAMP)

@@ -2,44 +2,55 @@
 
 from __future__ import annotations
 
-import logging
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from engine_pod.attention.backend import check_backend_name
-from engine_pod.core.request_queue import SchedulingPolicy
-from engine_pod.core.scheduler import SchedulerConfig
+from engine_pod.attention.selector import check_backend_name
 from engine_pod.model.hf_config import ModelArchConfig, load_arch_config, parse_dtype
 from engine_pod.spec_decode.config import SpeculativeConfig
+from kv_store.block_hash import DEFAULT_BLOCK_SIZE
 from kv_store.codec import MIN_MAC_KEY_BYTES
 from kv_store.redis_tier import DEFAULT_KEY_PREFIX, RedisTierConfig
+from tessera.context_length import resolve_max_model_len
 from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, InternalSecret
 
-logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass
 class ModelConfig:
+    """The checkpoint an engine serves, resolved once from its folder."""
+
     path: Path
+    """The Hugging Face checkpoint folder (config.json, safetensors, tokenizer)."""
     arch: ModelArchConfig
+    """The architecture read from config.json (layers, heads, vocabulary, RoPE)."""
     dtype: torch.dtype
+    """The dtype the weights, activations and KV cache are computed in."""
     max_model_len: int
+    """Longest sequence (prompt plus output, in tokens) a request may reach."""
 
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
+    """The paged KV cache: its block size, how big the pool is, prefix caching."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """Tokens per KV block; also the unit of prefix-cache hits and of the block
+    hashes the gateway routes by (kv_store/block_hash.py)."""
     enable_prefix_caching: bool = True
-    # Fixed number of KV blocks; None sizes the pool from memory.
+    """Reuse the KV blocks of a prompt prefix another request already computed."""
     num_gpu_blocks: int | None = None
-    # KV budget in bytes on any device; None: 1 GiB on CPU, profiled on CUDA.
+    """A fixed number of KV blocks; None sizes the pool from memory."""
     kv_cache_memory_bytes: int | None = None
-    # Fraction of device memory the engine may use on CUDA.
+    """KV budget in bytes on any device; None: 1 GiB on CPU, profiled on CUDA."""
     gpu_memory_utilization: float = 0.9
+    """Fraction of device memory the engine may use on CUDA (weights,
+    activations and KV cache together)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256:
@@ -52,29 +63,64 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
+class SchedulingPolicy(str, enum.Enum):
+    """The order in which waiting requests are admitted, and who is preempted first."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+@dataclass
+class SchedulerConfig:
+    """The per-step token budget and the limits the scheduler keeps."""
+
+    max_num_batched_tokens: int = 2048
+    """Tokens computed in one step, over every request (the step's budget)."""
+    max_num_seqs: int = 256
+    """Requests running at once; beyond it new requests wait."""
+    max_model_len: int = 2048
+    """Longest sequence a request may reach; the scheduler ends it there."""
+    long_prefill_token_threshold: int = 0
+    """Cap on one request's prefill chunk per step (0: only the budget caps it)."""
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    """fcfs: arrival order; priority: lower priority value first, then arrival
+    (and preemption takes the highest value, latest arrival first)."""
+
+    def __post_init__(self) -> None:
+        self.policy = SchedulingPolicy(self.policy)
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+
 @dataclass
 class KVStoreConfig:
     """The tiered KV store this engine shares blocks through (off by default)."""
 
-    # Host-memory tier budget in bytes (0: no host tier).
     host_bytes: int = 0
-    # The shared Redis tier (None: none); may hold a password, so never shown.
+    """Host-memory tier budget in bytes (0: no host tier)."""
     redis_url: str | None = field(default=None, repr=False)
-    # Seconds a block lives in Redis.
+    """The shared Redis tier (None: none); may hold a password, so never shown."""
     redis_ttl_seconds: int = 3600
-    # The URL names a Redis Cluster node.
+    """Seconds a block lives in Redis."""
     redis_cluster: bool = False
-    # Redis write-behind queue length; beyond it writes are dropped (and counted).
+    """The URL names a Redis Cluster node."""
     write_queue_size: int = 256
-    # Prepended to every Redis key: each InferenceService gets its own, for ACLs.
+    """Redis write-behind queue length; beyond it writes are dropped (and counted)."""
     redis_key_prefix: str = DEFAULT_KEY_PREFIX
-    # TLS files (rediss:// only): CA bundle, client certificate and its key.
+    """Prepended to every Redis key: each InferenceService gets its own, for ACLs."""
     redis_ca_file: str | None = None
+    """rediss:// only: the CA bundle that signs the server's certificate."""
     redis_cert_file: str | None = None
+    """rediss:// only: the client certificate (PEM)."""
     redis_key_file: str | None = None
-    # The key of the MAC over every value in Redis (InternalSecret.kv_mac_key);
-    # required with a Redis URL.
+    """rediss:// only: the client certificate's private key (PEM)."""
     mac_key: bytes | None = field(default=None, repr=False)
+    """The key of the MAC over every value in Redis (InternalSecret.kv_mac_key);
+    required with a Redis URL."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.host_bytes, int) or self.host_bytes < 0:
@@ -107,9 +153,10 @@ class ParallelConfig:
     """Tensor parallelism: one worker process per rank when above 1."""
 
     tensor_parallel_size: int = 1
-    # torch threads per worker process on CPU; None: this process's CPU
-    # share divided among the ranks.
+    """Ranks the model is split across (heads and MLP columns), one worker process each."""
     worker_threads: int | None = None
+    """torch threads per worker process on CPU; None: this process's CPU
+    share divided among the ranks."""
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -142,16 +189,26 @@ class ParallelConfig:
 
 @dataclass
 class EngineConfig:
+    """Everything an engine is built from, validated by create_engine_config."""
+
     model: ModelConfig
+    """The checkpoint and its resolved dtype and context length."""
     cache: CacheConfig
+    """The paged KV cache."""
     scheduler: SchedulerConfig
+    """The scheduler's budget and limits."""
     device: torch.device
+    """Where the model runs (cpu or cuda)."""
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
+    """The tiered KV store (host memory, Redis); off by default."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor parallelism."""
     attention_backend: str = "auto"
+    """auto, torch, triton or cpu (attention/selector.py)."""
     seed: int = 0
-    # None: no speculative decoding.
+    """Seed of torch's global generator in every worker (requests without a seed sample from it)."""
     speculative: SpeculativeConfig | None = None
+    """Speculative decoding; None: none."""
 
 
 def _resolve_device(device: str | None) -> torch.device:
@@ -188,25 +245,6 @@ def _resolve_dtype(dtype: str | torch.dtype, arch: ModelArchConfig, device: torc
     return torch.bfloat16 if ckpt == torch.float32 else ckpt
 
 
-def _resolve_max_model_len(max_model_len: int | None, arch: ModelArchConfig) -> int:
-    limit = arch.max_position_embeddings
-    if arch.sliding_window is not None and arch.sliding_window < limit:
-        # Beyond the window the model attends differently; serve only what
-        # full attention computes exactly.
-        logger.warning("sliding_window=%d: capping max_model_len at the window", arch.sliding_window)
-        limit = arch.sliding_window
-    if max_model_len is None:
-        return limit
-    if not isinstance(max_model_len, int) or max_model_len < 1:
-        raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
-    if max_model_len > limit:
-        raise ValueError(
-            f"max_model_len ({max_model_len}) exceeds what the model supports ({limit}: "
-            "max_position_embeddings or sliding_window in config.json)"
-        )
-    return max_model_len
-
-
 def _kv_mac_key_from_env() -> bytes | None:
     """The KV MAC key of the deployment's internal secret (env or file), if set."""
     secret = InternalSecret.load()
@@ -218,31 +256,31 @@ def create_engine_config(
     *,
     dtype: str | torch.dtype = "auto",
     max_model_len: int | None = None,
-    block_size: int = 16,
-    max_num_batched_tokens: int = 2048,
-    max_num_seqs: int = 256,
-    long_prefill_token_threshold: int = 0,
-    num_gpu_blocks: int | None = None,
-    kv_cache_memory_bytes: int | None = None,
-    gpu_memory_utilization: float = 0.9,
-    enable_prefix_caching: bool = True,
-    scheduling_policy: str = "fcfs",
+    block_size: int = CacheConfig.block_size,
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+    max_num_seqs: int = SchedulerConfig.max_num_seqs,
+    long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold,
+    num_gpu_blocks: int | None = CacheConfig.num_gpu_blocks,
+    kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes,
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
+    scheduling_policy: str = SchedulerConfig.policy.value,
     device: str | None = None,
-    attention_backend: str = "auto",
-    seed: int = 0,
-    kv_host_bytes: int = 0,
-    kv_redis_url: str | None = None,
-    kv_redis_ttl: int = 3600,
-    kv_redis_cluster: bool = False,
-    kv_write_queue_size: int = 256,
-    kv_redis_key_prefix: str = DEFAULT_KEY_PREFIX,
-    kv_redis_ca_file: str | None = None,
-    kv_redis_cert_file: str | None = None,
-    kv_redis_key_file: str | None = None,
-    kv_mac_key: bytes | None = None,
-    tensor_parallel_size: int = 1,
-    worker_threads: int | None = None,
-    speculative_config: SpeculativeConfig | dict | str | None = None,
+    attention_backend: str = EngineConfig.attention_backend,
+    seed: int = EngineConfig.seed,
+    kv_host_bytes: int = KVStoreConfig.host_bytes,
+    kv_redis_url: str | None = KVStoreConfig.redis_url,
+    kv_redis_ttl: int = KVStoreConfig.redis_ttl_seconds,
+    kv_redis_cluster: bool = KVStoreConfig.redis_cluster,
+    kv_write_queue_size: int = KVStoreConfig.write_queue_size,
+    kv_redis_key_prefix: str = KVStoreConfig.redis_key_prefix,
+    kv_redis_ca_file: str | None = KVStoreConfig.redis_ca_file,
+    kv_redis_cert_file: str | None = KVStoreConfig.redis_cert_file,
+    kv_redis_key_file: str | None = KVStoreConfig.redis_key_file,
+    kv_mac_key: bytes | None = KVStoreConfig.mac_key,
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size,
+    worker_threads: int | None = ParallelConfig.worker_threads,
+    speculative_config: SpeculativeConfig | dict | str | None = EngineConfig.speculative,
 ) -> EngineConfig:
     path = Path(model)
     speculative = SpeculativeConfig.parse(speculative_config)
@@ -272,7 +310,8 @@ def create_engine_config(
     except ValueError:
         raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}") from None
     check_backend_name(attention_backend)
-    model_len = _resolve_max_model_len(max_model_len, arch)
+    # The gateway derives its context limit with the same function (tessera/context_length.py).
+    model_len = resolve_max_model_len(max_model_len, arch.raw)
     return EngineConfig(
         model=ModelConfig(path, arch, _resolve_dtype(dtype, arch, dev), model_len),
         cache=CacheConfig(

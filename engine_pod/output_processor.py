@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from engine_pod.core.scheduler import EngineCoreOutput
-from engine_pod.core.scheduler_output import Logprobs
+from engine_pod.core.scheduler_output import EngineCoreOutput, Logprobs
 from engine_pod.outputs import CompletionOutput, Logprob, RequestOutput
 from engine_pod.sampling_params import SamplingParams
 from tessera.text import IncrementalDetokenizer

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engine_pod.structured_output.params import StructuredOutputsParams
+from tessera.sampling_limits import ENGINE_RANGES, check_range
+from tessera.structured_output import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
-MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -56,42 +56,23 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        """Types here; the ranges are tessera.sampling_limits' (the gateway's
+        are those or tighter)."""
         def fail(field_name: str, msg: str) -> None:
-            raise ValueError(f"SamplingParams.{field_name} {msg}")
+            raise ValueError(f"SamplingParams.{field_name}: {msg}")
 
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 fail(name, f"must be a finite number, got {value!r}")
-        for name in ("max_tokens", "min_tokens", "top_k", "n"):
-            if isinstance(getattr(self, name), bool):
-                fail(name, f"must be an integer, got {getattr(self, name)!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            fail("n", f"must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            fail("temperature", f"must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            fail("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            fail("top_k", f"must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            fail("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            fail("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            fail("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0.0:
-            fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            fail("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "logprobs", "seed"):
+            value = getattr(self, name)
+            if (value is not None or name == "n") and (isinstance(value, bool) or not isinstance(value, int)):
+                fail(name, f"must be an integer, got {value!r}")
+        for name in ENGINE_RANGES:
+            check_range(name, getattr(self, name), ENGINE_RANGES, where="SamplingParams.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", f"must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            fail("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -3,11 +3,14 @@ logprobs, finish reason (the gateway half of docs/architecture.md, invariant 3).
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from gateway.request import ChoiceUpdate, SamplingOptions, TokenLogprob
 from tessera.text import IncrementalDetokenizer
 from tessera.v1 import engine_pb2 as epb
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class ChoiceState:

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from kv_store.block_hash import DEFAULT_BLOCK_SIZE
 from tessera.internal_channel import InternalTLS
 from tessera.roles import POD_ROLES
 
@@ -31,10 +32,11 @@ class GatewayConfigError(ValueError):
 class ModelConfig:
     name: str
     path: str
-    # None: from the checkpoint's config.json (max_position_embeddings).
+    # None: the engine's limit, from the checkpoint's config.json
+    # (max_position_embeddings capped at a sliding window: tessera/context_length.py).
     max_model_len: int | None = None
     # Must equal the engine pods' --block-size: the router hashes with it.
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
 
 
 @dataclass(frozen=True)

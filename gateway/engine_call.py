@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 
-from gateway.errors import GatewayError, StreamBroken, bad_request, unavailable
+from gateway.errors import GatewayError, StreamBroken, engine_refused, unavailable
 from gateway.pods import Pod, PodPool
 from gateway.pods.deadline import NoProgress, ProgressDeadline
 from tessera.tracing import inject_metadata, tracer
@@ -25,7 +25,7 @@ MAX_ATTEMPTS = 2
 
 def _engine_error(e: grpc.aio.AioRpcError) -> GatewayError:
     if e.code() in _CLIENT_ERRORS:
-        return bad_request(f"engine rejected the request: {e.details()}", "invalid_request")
+        return engine_refused(e.details() or e.code().name)
     return unavailable(f"engine pod failed: {e.code().name}: {e.details()}", "engine_unavailable")
 
 

@@ -45,6 +45,20 @@ def bad_request(message: str, code: str | None = None, param: str | None = None)
     return GatewayError(400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error", message, code, param)
 
 
+@dataclass
+class EngineRefused(GatewayError):
+    """An engine pod refused the request itself (INVALID_ARGUMENT and kin, at
+    submit): a 400; `details` is the pod's own message, naming the engine's
+    field, which the pipeline renames to the client's where it can."""
+
+    details: str = ""
+
+
+def engine_refused(details: str) -> EngineRefused:
+    return EngineRefused(400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error",
+                         f"engine rejected the request: {details}", "invalid_request", details=details)
+
+
 def unauthenticated(message: str) -> GatewayError:
     return GatewayError(401, grpc.StatusCode.UNAUTHENTICATED, "authentication_error", message, "invalid_api_key")
 

@@ -13,11 +13,12 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry.trace import SpanKind
 
-from engine_pod.structured_output.wire import params_from_proto
 from gateway.errors import GatewayError, bad_request, client_error
 from gateway.request import ChoiceUpdate, GenerationRequest, SamplingOptions, Usage
-from gateway.serving import Gateway, ResponseStream
+from gateway.response_stream import ResponseStream
+from gateway.serving import Gateway
 from gateway.structured_output import checked
+from tessera.structured_output import params_from_proto
 from tessera.tracing import parent_context, tracer
 from tessera.v1 import inference_pb2 as pb
 from tessera.v1 import inference_pb2_grpc as pb_grpc
@@ -79,6 +80,7 @@ def _options(p: pb.GenerationParams) -> SamplingOptions:
         repetition_penalty=get("repetition_penalty", 1.0), n=get("n", 1), stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, min_tokens=get("min_tokens", 0),
         logprobs=get("logprobs", None), structured_outputs=constraint,
+        structured_outputs_param="params.structured_outputs" if constraint is not None else None,
     )
 
 

@@ -1,5 +1,6 @@
 """``tessera gateway --config FILE``: REST (OpenAI-compatible) and gRPC
 (tessera.v1.Inference) on one asyncio loop, in front of the engine pods.
+The command's arguments are gateway/cli.py's.
 
 SIGTERM/SIGINT: stop accepting, let in-flight requests finish (up to the
 drain timeout), exit 0.
@@ -17,7 +18,6 @@ import signal
 
 import grpc
 import uvicorn
-import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
@@ -38,35 +38,6 @@ from tessera.v1 import inference_pb2
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("gateway", help="run the gateway (REST + gRPC tessera.v1.Inference)")
-    p.add_argument("--config", required=True, help="gateway YAML (see docs/gateway.md)")
-    p.add_argument("--host", default=None, help="override server.host")
-    p.add_argument("--http-port", type=int, default=None, help="override server.http_port")
-    p.add_argument("--grpc-port", type=int, default=None, help="override server.grpc_port")
-    p.add_argument("--metrics-port", type=int, default=None, help="override server.metrics_port (0: none)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
-    p.set_defaults(func=run)
-
-
-def add_api_key_parser(sub) -> None:
-    p = sub.add_parser("api-key", help="make a new tenant API key and its tenants-file entry")
-    p.add_argument("--tenant", required=True, help="tenant name for the printed entry")
-    p.set_defaults(func=_new_api_key)
-
-
-def _new_api_key(args: argparse.Namespace) -> int:
-    import secrets
-
-    from gateway.tenants import hash_api_key
-
-    key = "sk-tessera-" + secrets.token_urlsafe(32)
-    print(f"# API key (give it to the tenant; it is not stored anywhere): {key}")
-    print(yaml.safe_dump({"tenants": [{"name": args.tenant, "api_key_sha256": [hash_api_key(key)]}]},
-                         sort_keys=False), end="")
-    return 0
 
 
 def run(args: argparse.Namespace) -> int:

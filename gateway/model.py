@@ -7,14 +7,15 @@ text gives the same ids and the same greedy output either way.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
-
-from gateway.config import ModelConfig
+from gateway.config import GatewayConfigError, ModelConfig
+from tessera.context_length import read_config, resolve_max_model_len
 from tessera.text import encode_prompt, load_eos_token_ids, load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class PromptError(ValueError):
@@ -42,7 +43,11 @@ class ServedModel:
     @classmethod
     def load(cls, config: ModelConfig) -> ServedModel:
         tokenizer = load_tokenizer(config.path)
-        max_len = config.max_model_len or _max_position_embeddings(Path(config.path))
+        # The engine pods' own limit (the same function derives it), or less.
+        try:
+            max_len = resolve_max_model_len(config.max_model_len, read_config(config.path))
+        except ValueError as e:
+            raise GatewayConfigError(f"model.{e}" if str(e).startswith("max_model_len") else str(e)) from None
         eos = frozenset(load_eos_token_ids(config.path, tokenizer))
         return cls(config.name, tokenizer, max_len, config.block_size, eos)
 
@@ -90,11 +95,3 @@ class ServedModel:
                 "context_length_exceeded", "max_tokens",
             )
         return room if max_tokens is None else max_tokens
-
-
-def _max_position_embeddings(path: Path) -> int:
-    config = json.loads((path / "config.json").read_text())
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        if isinstance(config.get(key), int):
-            return config[key]
-    raise ValueError(f"model: {path}/config.json names no max_position_embeddings; set model.max_model_len")

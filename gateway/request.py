@@ -5,19 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_pod.structured_output.params import StructuredOutputsParams
-from engine_pod.structured_output.wire import params_to_proto
+from tessera.sampling_limits import API_RANGES, INT32_MAX, INT64_MIN, MAX_STOP, MAX_STOP_TOKEN_IDS, check_range
+from tessera.structured_output import StructuredOutputsParams, params_to_proto
 from tessera.v1 import engine_pb2 as epb
-
-MAX_LOGPROBS = 20
-MAX_N = 16
-MAX_STOP = 16
-MAX_STOP_TOKEN_IDS = 64
-# The wire's integer widths (engine.proto / inference.proto): every integer
-# a client sends is checked against these at the edge, so no conversion to a
-# proto message can overflow inside a request's task.
-INT32_MAX = 2**31 - 1
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -50,27 +40,19 @@ class SamplingOptions:
     include_stop_str_in_output: bool = False
     # Already parsed by the front end (gateway/structured_output.py).
     structured_outputs: StructuredOutputsParams | None = None
+    # The client's field that carried it (response_format, structured_outputs,
+    # guided_json, params.structured_outputs, ...): what an engine pod's
+    # refusal of the constraint names.
+    structured_outputs_param: str | None = None
 
     def validate(self) -> None:
-        """ValueError naming the field (the front ends check types, this checks ranges)."""
+        """ValueError naming the field (the front ends check types, this checks
+        ranges: the public API's, tessera.sampling_limits.API_RANGES)."""
+        for name in API_RANGES:
+            check_range(name, getattr(self, name), API_RANGES)
         checks = [
-            (self.max_tokens is None or 1 <= self.max_tokens <= INT32_MAX, "max_tokens",
-             f"must be in [1, {INT32_MAX}]"),
-            (0.0 <= self.temperature <= 2.0, "temperature", "must be in [0, 2]"),
-            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
-            (-1 <= self.top_k <= INT32_MAX, "top_k", "must be -1, 0 (off) or a positive number"),
-            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
-            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]"),
-            (1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]"),
             (len(self.stop) <= MAX_STOP and all(self.stop), "stop", f"at most {MAX_STOP} non-empty strings"),
-            (0 <= self.min_tokens <= INT32_MAX, "min_tokens", f"must be in [0, {INT32_MAX}]"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-             f"must be in [0, {MAX_LOGPROBS}]"),
-            (self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed",
-             f"must be in [{INT64_MIN}, {INT64_MAX}]"),
             (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids"),
             (all(0 <= t <= INT32_MAX for t in self.stop_token_ids), "stop_token_ids", "must be token ids (>= 0)"),
         ]

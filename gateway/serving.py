@@ -1,33 +1,24 @@
 """The serving pipeline: authenticate -> validate and tokenize -> admit ->
 route -> (prefill on a prefill pod) -> generate on an engine pod -> stream
-choices back.
+choices back (gateway/response_stream.py).
 
 The front ends call `Gateway.authenticate` before they read the body (401
 before 400); `Gateway.open_stream` runs every other step that can refuse the
 request and waits for the first engine output, so the front ends answer a
 refusal with its proper status (400, 404, 429, 503) before any byte of a
-stream is sent. Whatever fails after that ends the request with an error
-too: no choice's task dies unseen (`ResponseStream._pump`).
+stream is sent, an engine pod's refusal of the request included.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import logging
 import time
-from collections.abc import AsyncIterator
 
 from gateway.admission import AdmissionController, Rejected, Ticket
-from gateway.choice import ChoiceState
 from gateway.config import GatewayConfig
-from gateway.engine_call import prefill, stream_choice
 from gateway.errors import (
     GatewayError,
-    StreamBroken,
     bad_request,
-    client_error,
-    internal,
     model_not_found,
     rate_limited,
     unauthenticated,
@@ -37,21 +28,20 @@ from gateway.metrics import GatewayMetrics
 from gateway.model import PromptError, ServedModel
 from gateway.pods import Pod, PodPool
 from gateway.priority import PriorityClass, PriorityClasses, PriorityClassError
-from gateway.request import ChoiceUpdate, GenerationRequest, SamplingOptions, Usage
+from gateway.request import GenerationRequest, SamplingOptions
+from gateway.response_stream import ResponseStream
 from gateway.router import Router, ScoredPod
 from gateway.tenants import AuthError, Tenant, TenantRegistry
 from kv_store.block_hash import hash_request_tokens
 from tessera.internal_channel import InternalClient
 from tessera.roles import POD_ROLES
 from tessera.tracing import tracer
-from tessera.v1 import engine_pb2 as epb
 
-logger = logging.getLogger(__name__)
 _tracer = tracer("tessera.gateway")
 
 
 @dataclasses.dataclass
-class _Plan:
+class Plan:
     """Where a request's engine calls go."""
 
     candidates: list[Pod]
@@ -181,7 +171,7 @@ class Gateway:
         for pclass in self.classes:
             self.metrics.queue_length.labels(pclass.name).set(by_class.get(pclass.name, 0))
 
-    async def plan(self, prompt_ids: list[int], cache_salt: str, request_id: str) -> _Plan:
+    async def plan(self, prompt_ids: list[int], cache_salt: str, request_id: str) -> Plan:
         """Rank pods for the request; decide on P/D disaggregation."""
         with _tracer.start_as_current_span("gateway.route") as span:
             hashes = hash_request_tokens(prompt_ids, self.model.block_size, cache_salt)
@@ -201,7 +191,7 @@ class Gateway:
             self.metrics.prefix_hit_tokens.labels(plan.candidates[0].address).inc(plan.matched_tokens)
             return plan
 
-    async def _plan_disaggregated(self, hashes: list[bytes], num_tokens: int, key: bytes) -> _Plan:
+    async def _plan_disaggregated(self, hashes: list[bytes], num_tokens: int, key: bytes) -> Plan:
         decode = await self.router.rank("decode", hashes, num_tokens, key)
         matched = decode[0].matched_blocks * self.model.block_size if decode else 0
         if num_tokens - matched < self.config.disaggregation.min_uncached_tokens:
@@ -209,210 +199,6 @@ class Gateway:
         prefill_ranked = await self.router.rank("prefill", hashes, num_tokens, key)
         return self._plan_from(decode, [s.pod for s in prefill_ranked])
 
-    def _plan_from(self, ranked: list[ScoredPod], prefill_pods: list[Pod]) -> _Plan:
+    def _plan_from(self, ranked: list[ScoredPod], prefill_pods: list[Pod]) -> Plan:
         matched = ranked[0].matched_blocks * self.model.block_size if ranked else 0
-        return _Plan([s.pod for s in ranked], prefill_pods, matched)
-
-
-class ResponseStream:
-    """One admitted request in flight: its choices' tasks and their merged updates."""
-
-    def __init__(self, gateway: Gateway, req: GenerationRequest, tenant: Tenant, pclass: PriorityClass,
-                 prompt_ids: list[int], max_tokens: int, ticket: Ticket, arrival: float, endpoint: str) -> None:
-        self.gateway = gateway
-        self.req = req
-        self.id = req.request_id
-        self.tenant = tenant
-        self.pclass = pclass
-        self.prompt_ids = prompt_ids
-        self.max_tokens = max_tokens
-        self.ticket = ticket
-        self.arrival = arrival
-        self.endpoint = endpoint
-        self.created = int(time.time())
-        self.choices = [ChoiceState(i, gateway.model.tokenizer, prompt_ids, req.options)
-                        for i in range(req.options.n)]
-        # One choice without P/D (the common case) is read inline; otherwise
-        # each choice (and the prefill) runs as a task feeding the queue.
-        self._single: AsyncIterator[ChoiceUpdate] | None = None
-        self._updates: asyncio.Queue = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
-        self._first: ChoiceUpdate | None = None
-        self._first_token_time: float | None = None
-        self._remaining = req.options.n
-        self._closed = False
-        self.outcome = "ok"
-
-    @property
-    def labels(self) -> tuple[str, str]:
-        return self.tenant.name, self.pclass.name
-
-    @property
-    def usage(self) -> Usage:
-        cached = self.choices[0].num_cached_tokens or 0
-        return Usage(len(self.prompt_ids), sum(c.num_tokens for c in self.choices), cached)
-
-    async def start(self) -> None:
-        g = self.gateway
-        plan = await g.plan(self.prompt_ids, self.tenant.cache_salt, self.id)
-        metadata = [("x-tessera-tenant", self.tenant.name)]
-        prefill_task = None
-        if plan.prefill_candidates:
-            request = self._engine_request(0, plan)
-            prefill_task = asyncio.create_task(
-                prefill(g.pool, plan.prefill_candidates, request, metadata, self._on_attempt("prefill"))
-            )
-            self._tasks.append(prefill_task)
-        if len(self.choices) == 1 and prefill_task is None:
-            self._single = self._choice_updates(self.choices[0], plan, metadata, None)
-        else:
-            for choice in self.choices:
-                updates = self._choice_updates(choice, plan, metadata, prefill_task)
-                self._tasks.append(asyncio.create_task(self._pump(updates)))
-        # Wait for the first output (or the refusal) before the front end answers.
-        try:
-            self._first = await self._next_update()
-        except BaseException:
-            self.outcome = "error"
-            raise
-        if self._first is None:
-            self.outcome = "error"
-            raise internal("internal error: the request produced no output")
-
-    def _engine_request(self, index: int, plan: _Plan, consume: bool = False) -> epb.GenerateRequest:
-        req = epb.GenerateRequest(
-            request_id=f"{self.id}-{index}",
-            prompt_token_ids=self.prompt_ids,
-            sampling_params=self.req.options.to_engine(self.max_tokens, index),
-            priority=self.pclass.priority,
-            cache_salt=self.tenant.cache_salt,
-        )
-        if consume:
-            req.kv_transfer.mode = epb.KVTransferParams.MODE_CONSUME
-        return req
-
-    def _on_attempt(self, kind: str):
-        def record(pod: Pod, attempt: int) -> None:
-            pod.dispatched_since_report += 1
-            self.gateway.metrics.routing.labels(pod.address, pod.role, "retry" if attempt else kind).inc()
-            if attempt:
-                self.gateway.metrics.retries.inc()
-        return record
-
-    async def _choice_updates(self, choice: ChoiceState, plan: _Plan, metadata,
-                              prefill_task) -> AsyncIterator[ChoiceUpdate]:
-        """One choice's updates until it finishes; raises GatewayError or
-        StreamBroken when its engine calls fail. Every step (building the
-        engine request, the call, detokenizing) is inside the `try`: a bug
-        anywhere ends the request with a 500, logged here once."""
-        responses = None
-        try:
-            consume = False
-            if prefill_task is not None:
-                consume = await asyncio.shield(prefill_task)
-            request = self._engine_request(choice.index, plan, consume)
-            kind = "decode" if prefill_task is not None else "route"
-            responses = stream_choice(self.gateway.pool, plan.candidates, request, metadata, self._on_attempt(kind))
-            async for response in responses:
-                update = choice.on_response(response)
-                self.ticket.charge_output_tokens(len(response.token_ids))
-                yield update
-                if choice.finished:
-                    return
-            raise StreamBroken("the engine stream ended before the choice finished")
-        except (GatewayError, StreamBroken, asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as e:  # a bug: end this request with 500, keep the gateway up
-            logger.exception("request %s choice %d failed", self.id, choice.index)
-            raise internal(f"internal error: {type(e).__name__}") from e
-        finally:
-            if responses is not None:
-                await responses.aclose()
-
-    async def _pump(self, updates: AsyncIterator[ChoiceUpdate]) -> None:
-        """Feed one choice's updates to the merged queue. Whatever ends it
-        other than cancellation reaches the consumer, which would otherwise
-        wait for this choice forever."""
-        try:
-            async for update in updates:
-                await self._updates.put(update)
-        except (GatewayError, StreamBroken) as e:
-            self._updates.put_nowait(e)
-        except Exception as e:
-            self._updates.put_nowait(client_error(e, "mid-request"))
-
-    async def _next_update(self) -> ChoiceUpdate | None:
-        """The next update of any choice; None when a lone choice's updates
-        ended without a finish (the caller raises)."""
-        if self._single is not None:
-            try:
-                return await self._single.__anext__()
-            except StopAsyncIteration:
-                return None
-        item = await self._updates.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    async def __aiter__(self) -> AsyncIterator[ChoiceUpdate]:
-        """Updates of every choice as they come; raises StreamBroken (or a
-        GatewayError) if an engine fails mid-stream."""
-        try:
-            if self._first is not None:
-                first, self._first = self._first, None
-                self._on_update(first)
-                yield first
-            while self._remaining > 0:
-                item = await self._next_update()
-                if item is None:
-                    raise internal("internal error: a choice ended without finishing")
-                self._on_update(item)
-                yield item
-        except Exception:  # GatewayError, StreamBroken, or a bug the front end reports as 500
-            self.outcome = "error"
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            self.outcome = "cancelled"
-            raise
-        finally:
-            await self.aclose()
-
-    def _on_update(self, update: ChoiceUpdate) -> None:
-        if self._first_token_time is None and update.token_ids:
-            self._first_token_time = time.monotonic()
-            self.gateway.metrics.for_request(*self.labels).ttft.observe(self._first_token_time - self.arrival)
-        if update.finish_reason is not None:
-            self._remaining -= 1
-
-    async def collect(self) -> list[ChoiceUpdate]:
-        """Every choice's whole output (for non-streaming answers)."""
-        merged = [ChoiceUpdate(i) for i in range(len(self.choices))]
-        async for update in self:
-            m = merged[update.index]
-            m.text += update.text
-            m.token_ids += update.token_ids
-            m.logprobs += update.logprobs
-            m.finish_reason, m.stop_reason = update.finish_reason, update.stop_reason
-        return merged
-
-    async def aclose(self) -> None:
-        """Cancel whatever still runs (aborting it on its pods), release the
-        admission ticket, record the request. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._single is not None:
-            await self._single.aclose()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.ticket.release()
-        m, labels = self.gateway.metrics, self.labels
-        if self._remaining > 0 and self.outcome == "ok":
-            self.outcome = "cancelled"
-        m.requests.labels(*labels, self.endpoint, self.outcome).inc()
-        usage, per = self.usage, m.for_request(*labels)
-        per.prompt_tokens.inc(usage.prompt_tokens)
-        per.generation_tokens.inc(usage.completion_tokens)
-        per.cached_tokens.inc(usage.cached_tokens)
-        per.e2e.observe(time.monotonic() - self.arrival)
+        return Plan([s.pod for s in ranked], prefill_pods, matched)

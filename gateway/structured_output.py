@@ -1,6 +1,9 @@
 """Guided-decoding fields of the REST API, checked at the gateway before any
-engine time: the constraint is parsed with xgrammar (cached per constraint),
-so a malformed schema, regex or grammar is a 400 naming the field.
+engine time with light libraries (gateway/constraint_check.py): a malformed
+schema or a certainly malformed regex is a 400 naming the field. What only
+the grammar compiler can judge the engine pod refuses at submit, before any
+token; `engine_refusal` turns that into the same 400, so either way the
+client's field is named and nothing has been streamed.
 
 REST accepts OpenAI's ``response_format`` and vLLM's ``structured_outputs``
 and older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
@@ -12,29 +15,43 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from engine_pod.structured_output.backend_xgrammar import validate
-from engine_pod.structured_output.params import StructuredOutputsParams
-from gateway.errors import bad_request
+from gateway.constraint_check import check
+from gateway.errors import EngineRefused, GatewayError, bad_request
+from tessera.structured_output import StructuredOutputsParams
 
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
+# How the shared params and the engine name the constraint's fields.
+_OWN_FIELD = re.compile(r"structured_outputs(\.\w+)?: ")
+
+
+def _bad_constraint(message: str, param: str) -> GatewayError:
+    """400 naming the client's field `param` for a message that names ours
+    ("structured_outputs.json: ...")."""
+    found = _OWN_FIELD.match(message)
+    where = param + ((found.group(1) or "") if found and param.endswith("structured_outputs") else "")
+    detail = message[found.end():] if found else message
+    return bad_request(f"{where}: {detail}", "invalid_structured_output", param.split(".")[0])
 
 
 def checked(make, param: str) -> StructuredOutputsParams:
-    """Build and parse a constraint; 400 with ``param`` on any problem."""
+    """Build and check a constraint; 400 with ``param`` on any problem."""
     try:
         params = make()
-        validate(params)
+        check(params)
     except RecursionError:
         raise bad_request(f"{param}: nested too deeply", "invalid_structured_output", param.split(".")[0]) from None
     except (ValueError, TypeError) as e:
-        # The engine names its own field ("structured_outputs.json: ..."):
-        # name the client's instead.
-        found = re.match(r"structured_outputs(\.\w+)?: ", str(e))
-        where = param + (found.group(1) or "" if found and param.endswith("structured_outputs") else "")
-        detail = str(e)[found.end():] if found else str(e)
-        raise bad_request(f"{where}: {detail}", "invalid_structured_output", param.split(".")[0]) from None
+        raise _bad_constraint(str(e), param) from None
     return params
+
+
+def engine_refusal(error: EngineRefused, param: str | None) -> GatewayError:
+    """An engine pod's refusal as the client sees it: one of the constraint
+    (the grammar compiler's verdict) names the field the client sent it in."""
+    if param is not None and _OWN_FIELD.match(error.details):
+        return _bad_constraint(error.details, param)
+    return error
 
 
 def _from_response_format(value: Any) -> StructuredOutputsParams | None:
@@ -56,8 +73,21 @@ def _from_response_format(value: Any) -> StructuredOutputsParams | None:
                       "invalid_value", "response_format")
 
 
-def from_rest_body(body) -> StructuredOutputsParams | None:
-    """The one constraint of a REST request body, or None."""
+def from_rest_body(body) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The one constraint of a REST request body and the field it came in, or (None, None)."""
+    name = _constraint_field(body)
+    if name is None:
+        return None, None
+    if name == "response_format":
+        params = _from_response_format(body.response_format)
+    elif name == "structured_outputs":
+        params = checked(lambda: StructuredOutputsParams.from_dict(body.structured_outputs), name)
+    else:
+        params = checked(lambda: StructuredOutputsParams(**{_GUIDED_FIELDS[name]: getattr(body, name)}), name)
+    return params, (name if params is not None else None)
+
+
+def _constraint_field(body) -> str | None:
     given = [name for name in ("response_format", "structured_outputs", *_GUIDED_FIELDS)
              if getattr(body, name, None) is not None]
     if isinstance(body.response_format, dict) and body.response_format.get("type") == "text":
@@ -65,11 +95,7 @@ def from_rest_body(body) -> StructuredOutputsParams | None:
     if len(given) > 1:
         raise bad_request(f"give one output constraint, got {' and '.join(given)}",
                           "invalid_structured_output", given[1])
-    if not given:
-        return _from_response_format(body.response_format) if body.response_format is not None else None
-    name = given[0]
-    if name == "response_format":
-        return _from_response_format(body.response_format)
-    if name == "structured_outputs":
-        return checked(lambda: StructuredOutputsParams.from_dict(body.structured_outputs), name)
-    return checked(lambda: StructuredOutputsParams(**{_GUIDED_FIELDS[name]: getattr(body, name)}), name)
+    if given:
+        return given[0]
+    # Only a text response_format: still checked (its type may be wrong).
+    return "response_format" if body.response_format is not None else None

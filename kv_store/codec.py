@@ -26,6 +26,7 @@ import hmac
 import struct
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -128,7 +129,7 @@ class BlockCodec:
         tensor of ``layout.block_shape``."""
         if tuple(block.shape) != self.layout.block_shape or block.dtype != self.layout.dtype:
             raise ValueError(f"block of shape {tuple(block.shape)} {block.dtype} does not fit {self.layout}")
-        payload = memoryview(block.contiguous().view(_RAW_VIEWS[block.dtype]).numpy()).cast("B")
+        payload = block.contiguous().view(_RAW_VIEWS[block.dtype]).numpy().data.cast("B")
         return b"".join((self._fields(block_hash), _NO_MAC, payload))
 
     def sign(self, value: bytes) -> bytes:
@@ -162,7 +163,7 @@ class BlockCodec:
             raw = torch.frombuffer(payload, dtype=_RAW_VIEWS[lay.dtype])
         return raw.view(lay.dtype).view(lay.block_shape)
 
-    def _check_fields(self, block_hash: bytes, fields: tuple) -> None:
+    def _check_fields(self, block_hash: bytes, fields: tuple[Any, ...]) -> None:
         fingerprint, rank, size, block_size, layers, dtype_code = fields[2:8]
         shape, stored_hash, length = tuple(fields[8:12]), fields[12], fields[13]
         lay = self.layout

@@ -39,12 +39,11 @@ class RedisClusterServers:
     """A private three-master Redis Cluster (redis-server + redis-cli --cluster create)."""
 
     def __init__(self, workdir: Path, num_nodes: int = 3) -> None:
-        cli = shutil.which("redis-cli")
-        if cli is None:
-            raise RuntimeError("redis-cli is not installed")
-        self.nodes: list[subprocess.Popen] = []
+        cli, binary = shutil.which("redis-cli"), shutil.which("redis-server")
+        if cli is None or binary is None:
+            raise RuntimeError("redis-server and redis-cli must be installed")
+        self.nodes: list[subprocess.Popen[bytes]] = []
         ports = _cluster_ports(num_nodes)
-        binary = shutil.which("redis-server")
         for port in ports:
             node_dir = workdir / str(port)
             node_dir.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import redis
 from redis.cluster import RedisCluster
@@ -111,7 +112,7 @@ def _check_url(url: str) -> None:
         got = f"scheme {scheme!r}" if scheme is not None and scheme.isalnum() else "a value without one"
         raise ValueError(f"kv_redis_url must start with redis://, rediss:// or unix://, got {got}")
     try:
-        redis.connection.parse_url(url)
+        redis.connection.parse_url(url)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
     except ValueError:
         # parse_url's own message may quote parts of the URL.
         raise ValueError(f"kv_redis_url {redact_url(url)} is not a valid Redis URL") from None
@@ -135,6 +136,7 @@ class RedisTier:
         self.namespace = (config.key_prefix + namespace).encode()
         common = dict(socket_timeout=config.timeout_seconds, socket_connect_timeout=config.timeout_seconds,
                       max_connections=config.max_connections, **config.ssl_options())
+        self._client: redis.Redis | RedisCluster
         if config.cluster:
             self._client = RedisCluster.from_url(config.url, **common)
         else:
@@ -178,12 +180,16 @@ class RedisTier:
             return [None] * len(hashes)
         keys = [self.key(h) for h in hashes]
         try:
-            values = self._client.mget_nonatomic(keys) if self.config.cluster else self._client.mget(keys)
+            if isinstance(self._client, RedisCluster):
+                values = self._client.mget_nonatomic(keys)
+            else:
+                values = self._client.mget(keys)
         except redis.RedisError as e:
             self._failed(e)
             return [None] * len(hashes)
         self._ok()
-        return values
+        # The client is made without decode_responses: values come back as bytes, never str.
+        return cast("list[bytes | None]", values)
 
     def exists_many(self, hashes: list[bytes]) -> list[bool]:
         if not hashes or not self._usable():

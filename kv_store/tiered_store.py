@@ -28,7 +28,8 @@ from kv_store.redis_tier import RedisTier
 
 logger = logging.getLogger(__name__)
 
-_STOP = object()
+# A write waiting for the write-behind thread: (block hash, encoded value); None stops the thread.
+_Write = tuple[bytes, bytes]
 
 
 @dataclass
@@ -47,7 +48,7 @@ class KVStoreStats:
     loads: int = 0
     # Values refused on read (and deleted), by (tier, reason): reasons are
     # kv_store.codec.REJECT_REASONS.
-    rejected: Counter = field(default_factory=Counter)
+    rejected: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     @property
     def rejected_values(self) -> int:
@@ -69,10 +70,11 @@ class TieredKVStore:
         self.remote = remote
         self.stats = KVStoreStats()
         self._stats_lock = threading.Lock()
-        self._writes: queue.Queue = queue.Queue(maxsize=write_queue_size)
-        self._writer = None
+        self._writes: queue.Queue[_Write | None] = queue.Queue(maxsize=write_queue_size)
+        self._writer: threading.Thread | None = None
         if remote is not None:
-            self._writer = threading.Thread(target=self._write_behind, name="kv-write-behind", daemon=True)
+            self._writer = threading.Thread(target=self._write_behind, args=(remote,), name="kv-write-behind",
+                                            daemon=True)
             self._writer.start()
 
     # -- reads ------------------------------------------------------------
@@ -121,7 +123,10 @@ class TieredKVStore:
                 logger.warning("kv store: refusing block %s from %s (%s: %s); deleted", h.hex()[:12], tier,
                                e.reason, e)
                 rejected = (tier, e.reason)
-                (self.remote.delete if from_redis else self.host.delete)(h)
+                if from_redis and self.remote is not None:
+                    self.remote.delete(h)
+                else:
+                    self.host.delete(h)
                 break
             if from_redis:
                 redis_hits += 1
@@ -165,10 +170,10 @@ class TieredKVStore:
             with self._stats_lock:
                 self.stats.writes_dropped += 1
 
-    def _write_behind(self) -> None:
+    def _write_behind(self, remote: RedisTier) -> None:
         while True:
             item = self._writes.get()
-            if item is _STOP:
+            if item is None:
                 return
             batch = [item]
             # Drain what is queued into one pipeline round trip.
@@ -177,15 +182,15 @@ class TieredKVStore:
                     nxt = self._writes.get_nowait()
                 except queue.Empty:
                     break
-                if nxt is _STOP:
-                    self._flush_batch(batch)
+                if nxt is None:
+                    self._flush_batch(remote, batch)
                     return
                 batch.append(nxt)
-            self._flush_batch(batch)
+            self._flush_batch(remote, batch)
 
-    def _flush_batch(self, batch: list[tuple[bytes, bytes]]) -> None:
+    def _flush_batch(self, remote: RedisTier, batch: list[_Write]) -> None:
         signed = [(h, self.codec.sign(v)) for h, v in batch]
-        if self.remote.put_many(signed):
+        if remote.put_many(signed):
             with self._stats_lock:
                 self.stats.bytes_written_redis += sum(len(v) for _, v in signed)
         for _ in batch:
@@ -201,7 +206,7 @@ class TieredKVStore:
     def close(self) -> None:
         if self._writer is not None:
             self.flush()
-            self._writes.put(_STOP)
+            self._writes.put(None)
             self._writer.join(timeout=5)
         if self.remote is not None:
             self.remote.close()

@@ -72,7 +72,7 @@ class ChildProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self._log is not subprocess.DEVNULL:
+        if not isinstance(self._log, int):  # an open log file, not subprocess.DEVNULL
             self._log.close()
         return self.proc.returncode
 

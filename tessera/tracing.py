@@ -15,7 +15,7 @@ from opentelemetry import trace
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def configure_tracing(service_name: str) -> TracerProvider | None:
             OTLPSpanExporter,
         )
 
-        exporter = OTLPSpanExporter()
+        exporter: SpanExporter = OTLPSpanExporter()
     elif name == "console":
         exporter = ConsoleSpanExporter()
     else:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
-
-from engine_pod.entrypoints.cli_args import add_engine_args, engine_kwargs
+from collections.abc import Iterable
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -20,6 +20,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from engine_pod import LLM, SamplingParams
+    from engine_pod.entrypoints.cli_args import engine_kwargs
 
     prompts = list(args.prompt)
     if args.prompts_file:
@@ -70,19 +71,37 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tessera", description="Tessera LLM inference platform")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
-    sub = parser.add_subparsers(dest="command", required=True)
+# Each subcommand: its one-line help (what `tessera --help` lists) and the
+# function that adds its parser, imported only when that subcommand runs:
+# some modules take seconds to import (torch, kubernetes), and `tessera
+# --help` or `tessera gateway --help` should not wait for them.
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "make-model": ("write a deterministic random-weight HF checkpoint", "tessera_tools.cli:_add_make_model"),
+    "generate": ("generate offline with the engine", "tessera_tools.cli:_add_generate"),
+    "internal-secret": ("print a new random internal secret (for TESSERA_INTERNAL_SECRET)",
+                        "tessera_tools.cli:_add_internal_secret"),
+    "engine": ("run an engine pod (gRPC tessera.v1.Engine)", "engine_pod.server.main:add_parser"),
+    "gateway": ("run the gateway (REST + gRPC tessera.v1.Inference)", "gateway.cli:add_parser"),
+    "api-key": ("make a new tenant API key and its tenants-file entry", "gateway.cli:add_api_key_parser"),
+    "bench": ("run a benchmark", "tessera_tools.bench:add_bench_parser"),
+    "operator": ("run the Kubernetes operator that reconciles InferenceServices", "tessera_operator.cli:add_parser"),
+    "up": ("run an InferenceService on this machine (gateway + engine pods)", "tessera_tools.up:add_parser"),
+}
 
-    mm = sub.add_parser("make-model", help="write a deterministic random-weight HF checkpoint")
+
+def _add_make_model(sub) -> None:
     from tessera_tools.fixtures.make_model import PRESETS
 
+    mm = sub.add_parser("make-model", help=_COMMANDS["make-model"][0])
     mm.add_argument("--preset", required=True, choices=sorted(PRESETS))
     mm.add_argument("out", help="output folder")
     mm.set_defaults(func=_cmd_make_model)
 
-    gen = sub.add_parser("generate", help="generate offline with the engine")
+
+def _add_generate(sub) -> None:
+    from engine_pod.entrypoints.cli_args import add_engine_args
+
+    gen = sub.add_parser("generate", help=_COMMANDS["generate"][0])
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     gen.add_argument("--prompts-file", help="a file with one prompt per line")
@@ -95,37 +114,74 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per output")
     gen.set_defaults(func=_cmd_generate)
 
-    secret = sub.add_parser("internal-secret", help="print a new random internal secret (for TESSERA_INTERNAL_SECRET)")
+
+def _add_internal_secret(sub) -> None:
+    secret = sub.add_parser("internal-secret", help=_COMMANDS["internal-secret"][0])
     secret.set_defaults(func=_cmd_internal_secret)
 
-    from engine_pod.server.main import add_parser as add_engine_parser
-    from gateway.main import add_api_key_parser
-    from gateway.main import add_parser as add_gateway_parser
-    from tessera_tools.bench import add_bench_parser
-    from tessera_tools.up import add_parser as add_up_parser
-    from tessera_operator.main import add_parser as add_operator_parser
 
-    add_engine_parser(sub)
-    add_gateway_parser(sub)
-    add_api_key_parser(sub)
-    add_bench_parser(sub)
-    add_operator_parser(sub)
-    add_up_parser(sub)
+def _adder(command: str):
+    module, _, function = _COMMANDS[command][1].partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line, with the parsers of the subcommands in `load`
+    (None: all of them); every other subcommand is listed with its help only."""
+    parser = argparse.ArgumentParser(prog="tessera", description="Tessera LLM inference platform")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    wanted = set(_COMMANDS if load is None else load)
+    for command, (help_text, _) in _COMMANDS.items():
+        if command in wanted:
+            _adder(command)(sub)
+        else:
+            sub.add_parser(command, help=help_text)
     return parser
+
+
+def _command_in(argv: list[str]) -> str | None:
+    """The subcommand an argument list names: its first word that is not an
+    option of `tessera` itself (--log-level, or a prefix argparse accepts
+    for it, and its value)."""
+    words = iter(argv)
+    for word in words:
+        if len(word) > 2 and "--log-level".startswith(word):
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     from tessera.child_process import die_with_parent
 
     die_with_parent()
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    command = _command_in(argv)
     try:
+        parser = build_parser([command] if command in _COMMANDS else [])
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return args.func(args)
     except ValueError as e:
-        print(f"tessera {args.command}: error: {e}", file=sys.stderr)
+        print(f"tessera {command}: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        extra = _EXTRA_OF.get((e.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        # A control-plane install (`pip install tessera`) has no torch: say which extra
+        # the command needs instead of a traceback.
+        print(f"tessera {command}: error: needs the {extra} extra (pip install 'tessera[{extra}]'): "
+              f"{e.name} is not installed", file=sys.stderr)
+        return 2
+
+
+# Modules only an extra installs (pyproject.toml), and that extra: what a command that
+# fails to import one of them needs.
+_EXTRA_OF = {"torch": "engine", "triton": "engine", "xgrammar": "engine", "safetensors": "engine",
+             "matplotlib": "tools", "aiohttp": "tools"}
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_pod.attention.backend import AttentionMetadata
+from engine_pod.attention.abstract import AttentionMetadata
 from engine_pod.attention.torch_backend import TorchAttentionBackend
 
 

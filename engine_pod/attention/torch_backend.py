@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine_pod.attention.backend import AttentionBackend, AttentionMetadata
+from engine_pod.attention.abstract import AttentionBackend, AttentionMetadata
 
 DECODE_GROUP = 8
 

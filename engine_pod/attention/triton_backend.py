@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_pod.attention.backend import AttentionBackend, AttentionMetadata
+from engine_pod.attention.abstract import AttentionBackend, AttentionMetadata
 from engine_pod.attention.triton_ops.cache_write import write_kv_cache
 from engine_pod.attention.triton_ops.paged_attention import paged_attention
 from engine_pod.attention.triton_ops.plan import KernelShape, LaunchPlan, SplitRule, plan_step

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine_pod.core.block_pool import BlockPool
 from engine_pod.core.kv_cache_block import KVCacheBlock
 from engine_pod.request import Request
+from kv_store.block_hash import BlockHash
 
 
 def cdiv(a: int, b: int) -> int:
@@ -27,6 +29,23 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
+    """Each request's block table over one BlockPool, and the prefix cache.
+
+    Owns the pool (``block_pool``), every request's blocks (``req_to_blocks``)
+    and how many of a request's leading blocks are registered in the prefix
+    cache (``num_cached_blocks``). Called by the Scheduler on the engine
+    thread (lookups on admission, allocate_slots every step, free on finish
+    and preemption); ``num_cached_prefix_blocks`` also by the pod's load
+    report from the event-loop thread, read only.
+
+    Invariants: a request's blocks hold at least its computed plus scheduled
+    tokens (slots of rejected drafts stay allocated for the next step); a
+    block enters the prefix cache once all its tokens are known and
+    scheduled (never drafts), under the hash of its whole token prefix
+    (Request.block_hashes); allocate_slots allocates everything asked or
+    changes nothing; a freed request holds no blocks.
+    """
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -55,13 +74,26 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits = self.find_cached_prefix(request.block_hashes[:max_hit_blocks])
+        return hits, len(hits) * self.block_size
+
+    def find_cached_prefix(self, block_hashes: Sequence[BlockHash]) -> list[KVCacheBlock]:
+        """The cached blocks of the longest leading run of ``block_hashes``
+        that the prefix cache holds."""
         hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
+        for block_hash in block_hashes:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        return hits
+
+    def num_cached_prefix_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of ``block_hashes`` the prefix cache holds
+        (the load report's prefix match). Safe from another thread: each
+        lookup is one dict.get, atomic under the GIL; the answer is as of
+        this instant."""
+        return len(self.find_cached_prefix(block_hashes))
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (in tokens) in the stats."""

@@ -50,9 +50,10 @@ class KVConnectorScheduler:
                 self._meta.saves.append((blocks[i].block_id, block_hash, sync))
 
     def on_evict(self, block: KVCacheBlock) -> None:
-        """BlockPool hook: a cached block is about to be reused."""
-        if block.block_hash not in self.store.host:
-            self._meta.offloads.append((block.block_id, block.block_hash))
+        """BlockPool hook: a cached block (it has a hash) is about to be reused."""
+        block_hash = block.block_hash
+        if block_hash is not None and block_hash not in self.store.host:
+            self._meta.offloads.append((block.block_id, block_hash))
 
     def on_preempted(self, request: Request) -> None:
         """A request preempted in the step that scheduled it computes nothing:
@@ -61,6 +62,11 @@ class KVConnectorScheduler:
         # hash: saves of a block id are only valid if the hash still names it.
         hashes = set(request.block_hashes)
         self._meta.saves = [s for s in self._meta.saves if s[1] not in hashes]
+
+    def take_external_hit_tokens(self) -> int:
+        """Tokens served from the store since the last call (a stats report)."""
+        hits, self.num_external_hit_tokens = self.num_external_hit_tokens, 0
+        return hits
 
     def take_metadata(self) -> KVConnectorMetadata | None:
         meta, self._meta = self._meta, KVConnectorMetadata()

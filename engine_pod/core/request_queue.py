@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterator
 
+from engine_pod.config import SchedulingPolicy
 from engine_pod.request import Request
-
-
-class SchedulingPolicy(str, enum.Enum):
-    FCFS = "fcfs"
-    PRIORITY = "priority"
 
 
 class FCFSRequestQueue:

@@ -18,66 +18,48 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine_pod.config import SchedulerConfig, SchedulingPolicy
+from engine_pod.core.kv_cache_block import KVCacheBlock
 from engine_pod.core.kv_cache_manager import KVCacheManager
 from engine_pod.core.kv_connector import KVConnectorScheduler
-from engine_pod.core.request_queue import SchedulingPolicy, create_request_queue
-from engine_pod.core.scheduler_output import (
-    CachedRequestData,
-    Logprobs,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
-from engine_pod.core.stats import SchedulerStats
+from engine_pod.core.output_builder import build_scheduler_output
+from engine_pod.core.request_queue import create_request_queue
+from engine_pod.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from engine_pod.core.stats import SchedulerStats, SpecDecodeStats
+from engine_pod.core.stop_check import append_until_stop
 from engine_pod.request import Request, RequestStatus
-from engine_pod.spec_decode.metrics import SpecDecodeStats
 
-if TYPE_CHECKING:  # the manager pulls in xgrammar: the scheduler alone does not need it
+if TYPE_CHECKING:  # torch and the manager (which pulls in xgrammar): the scheduler itself needs neither
+    import torch
+
     from engine_pod.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int = 2048
-    # Cap on one request's prefill chunk per step (0: only the budget caps it).
-    long_prefill_token_threshold: int = 0
-    policy: SchedulingPolicy = SchedulingPolicy.FCFS
-
-    def __post_init__(self) -> None:
-        self.policy = SchedulingPolicy(self.policy)
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0")
-
-
-@dataclass
-class EngineCoreOutput:
-    """One request's progress in one step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[Logprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    first_scheduled_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
 class Scheduler:
+    """Decides each step which requests compute how many tokens, and applies
+    the results.
+
+    Owns every unfinished request (``requests``) and where it is: ``running``,
+    the ``waiting`` queue (FCFS or priority), or ``waiting_for_fsm`` while its
+    grammar compiles; the KVCacheManager and its block pool; the KV
+    connector's scheduler half, if any. Called by EngineCore on the engine
+    thread only: add_request / finish_requests between steps, then
+    schedule(), the executor's forward, update_from_output() each step.
+
+    Invariants: an unfinished request is in exactly one of running, waiting
+    or waiting_for_fsm, and only running requests hold KV blocks; a step
+    schedules at most max_num_batched_tokens tokens over at most
+    max_num_seqs running requests, and never takes a request past
+    max_model_len; schedule() advances num_computed_tokens by what it
+    scheduled (update_from_output rolls back rejected drafts); a finished or
+    aborted request is freed at once and its id reaches the runner in the
+    next SchedulerOutput.
+    """
+
     def __init__(
         self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
         connector: KVConnectorScheduler | None = None,
@@ -139,7 +121,7 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         if request.use_structured_output:
-            self.structured_output.free_request(request.request_id)
+            self._grammars.free_request(request.request_id)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -151,12 +133,20 @@ class Scheduler:
         """Requests not yet running, those whose grammar compiles included."""
         return len(self.waiting) + len(self.waiting_for_fsm)
 
+    @property
+    def _grammars(self) -> StructuredOutputManager:
+        """The structured output manager, for a request that has a grammar
+        (add_request admits one only when the engine has a manager)."""
+        if self.structured_output is None:
+            raise RuntimeError("a request with structured outputs in an engine without a manager")
+        return self.structured_output
+
     def _admit_compiled_grammars(self) -> None:
         """Move requests whose grammar is ready into the waiting queue."""
         still_compiling = []
         for request in self.waiting_for_fsm:
             try:
-                ready = self.structured_output.is_ready(request)
+                ready = self._grammars.is_ready(request)
             except Exception:  # noqa: BLE001 - one bad grammar must not take the engine down
                 logger.exception("request %s: grammar compilation failed", request.request_id)
                 request.status = RequestStatus.FINISHED_ABORTED
@@ -231,7 +221,10 @@ class Scheduler:
         if not preempted:
             budget = self._schedule_waiting(budget, num_scheduled, scheduled_new)
 
-        output = self._make_output(scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted)
+        output = build_scheduler_output(
+            self.kv_cache_manager, scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted,
+            self.finished_req_ids, self.connector.take_metadata() if self.connector is not None else None,
+        )
         output.scheduled_spec_decode_tokens = scheduled_drafts
         if self.structured_output is not None and self.structured_output.has_matchers:
             output.grammar_bitmask = self.structured_output.grammar_bitmask(
@@ -273,7 +266,7 @@ class Scheduler:
         if num_drafts and request.use_structured_output:
             # Drafts the grammar refuses would be rejected anyway; cut them so
             # the runner's masks after each draft prefix stay well defined.
-            num_drafts = self.structured_output.validate_tokens(request.request_id, drafts[:num_drafts])
+            num_drafts = self._grammars.validate_tokens(request.request_id, drafts[:num_drafts])
         return num_drafts
 
     def _schedule_waiting(
@@ -283,7 +276,9 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
-            hits, num_hit_tokens, loaded = [], 0, []
+            hits: list[KVCacheBlock] = []
+            num_hit_tokens = 0
+            loaded: list[torch.Tensor] = []
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
                 if self.connector is not None:
@@ -299,7 +294,7 @@ class Scheduler:
                 # Counted on admission only, so a request that waits several
                 # steps is one query, not one per attempt.
                 self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
-            if loaded:
+            if loaded and self.connector is not None:
                 self.connector.on_allocated(blocks, loaded)
             self.waiting.pop()
             if request.num_cached_tokens < 0:
@@ -336,48 +331,6 @@ class Scheduler:
         self._num_new_preemptions += 1
         self.waiting.prepend(request)
 
-    def _make_output(
-        self,
-        scheduled_new: list[Request],
-        scheduled_running: list[Request],
-        num_scheduled: dict[str, int],
-        new_blocks: dict[str, list[int]],
-        preempted: list[Request],
-    ) -> SchedulerOutput:
-        kv = self.kv_cache_manager
-        new_reqs, cached_reqs = [], []
-        for request in scheduled_new:
-            if request.num_preemptions:
-                # Resumed after preemption: the runner still holds its state
-                # (tokens, sampling generator); it gets a fresh block table.
-                cached_reqs.append(
-                    CachedRequestData(
-                        request.request_id, kv.get_block_ids(request.request_id),
-                        request.num_computed_tokens, resumed_from_preemption=True,
-                    )
-                )
-            else:
-                new_reqs.append(
-                    NewRequestData(
-                        request.request_id, request.prompt_token_ids, request.sampling_params,
-                        kv.get_block_ids(request.request_id), request.num_computed_tokens,
-                    )
-                )
-        for request in scheduled_running:
-            cached_reqs.append(
-                CachedRequestData(request.request_id, new_blocks[request.request_id], request.num_computed_tokens)
-            )
-        preempted_ids = {r.request_id for r in preempted}
-        return SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted_ids,
-            kv_connector=self.connector.take_metadata() if self.connector is not None else None,
-        )
-
     # -- results ----------------------------------------------------------
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -391,7 +344,9 @@ class Scheduler:
                 continue  # aborted meanwhile, or a prefill chunk short of the end
             self._roll_back_rejected(request, scheduler_output.scheduled_spec_decode_tokens.get(req_id), sampled)
             request.spec_token_ids = runner_output.draft_token_ids.get(req_id, [])
-            sampled, status, stop_reason = self._append_until_stop(request, sampled)
+            sampled, status, stop_reason = append_until_stop(
+                request, sampled, self.config.max_model_len, self.structured_output
+            )
             cached = max(request.num_cached_tokens, 0)
             out = EngineCoreOutput(
                 req_id, sampled, runner_output.logprobs.get(req_id),
@@ -407,17 +362,6 @@ class Scheduler:
             outputs.append(out)
         return outputs
 
-    def _advance_grammar(self, request: Request, sampled: list[int], status: RequestStatus | None
-                         ) -> RequestStatus | None:
-        """Feed the sampled tokens to the request's matcher: a completed
-        grammar ends the request with "stop"; a refused token (the mask
-        makes that a bug) aborts it rather than emit invalid output."""
-        if not self.structured_output.accept_tokens(request.request_id, sampled):
-            return RequestStatus.FINISHED_ABORTED
-        if status is None and self.structured_output.is_terminated(request.request_id):
-            return RequestStatus.FINISHED_STOPPED
-        return status
-
     def _roll_back_rejected(self, request: Request, drafts: list[int] | None, sampled: list[int]) -> None:
         """Un-compute the rejected drafts: all but the last emitted token are
         accepted drafts. Their KV slots hold garbage the next step overwrites;
@@ -429,41 +373,7 @@ class Scheduler:
         request.num_computed_tokens -= len(drafts) - num_accepted
         self.spec_decode_stats.observe(len(drafts), num_accepted)
 
-    def _append_until_stop(
-        self, request: Request, sampled: list[int]
-    ) -> tuple[list[int], RequestStatus | None, int | None]:
-        """Append emitted tokens one by one, as non-speculative decoding
-        would have (the grammar, if any, advancing with each); whatever
-        follows a stop is dropped."""
-        for i, token in enumerate(sampled):
-            request.append_output_token_ids([token])
-            status, stop_reason = self._check_stop(request)
-            if request.use_structured_output:
-                status = self._advance_grammar(request, [token], status)
-            if status is not None:
-                return sampled[: i + 1], status, stop_reason
-        return sampled, None, None
-
-    def _check_stop(self, request: Request) -> tuple[RequestStatus | None, int | None]:
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens and last in params.all_stop_token_ids:
-            # vLLM reports the stop token id as stop_reason, None for EOS.
-            reason = last if last in params.stop_token_ids else None
-            return RequestStatus.FINISHED_STOPPED, reason
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED, None
-        if request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED, None
-        return None, None
-
     # -- stats ------------------------------------------------------------
-    def _take_external_hits(self) -> int:
-        if self.connector is None:
-            return 0
-        hits, self.connector.num_external_hit_tokens = self.connector.num_external_hit_tokens, 0
-        return hits
-
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         pool = kv.block_pool
@@ -479,7 +389,7 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=self._num_new_preemptions,
             kv_waste_slots=waste,
-            external_prefix_hits=self._take_external_hits(),
+            external_prefix_hits=self.connector.take_external_hit_tokens() if self.connector is not None else 0,
             spec_decode=self.spec_decode_stats.take(),
         )
         self._num_new_preemptions = 0

@@ -1,4 +1,5 @@
-"""What the scheduler hands the executor each step, and what comes back."""
+"""What the scheduler hands the executor each step, what comes back, and
+what it reports to the engine per request."""
 
 from __future__ import annotations
 
@@ -94,3 +95,20 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     # Speculative decoding: request id -> drafts proposed for its next step.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's progress in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

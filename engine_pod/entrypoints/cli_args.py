@@ -1,50 +1,68 @@
-"""Engine flags shared by every command that builds an engine."""
+"""Engine flags shared by every command that builds an engine.
+
+A flag whose value lands in a config dataclass takes its default from that
+field (engine_pod/config.py), so the flags, LLM(...) and create_engine_config
+agree by construction (tests/engine_pod/test_cli_defaults.py).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 
-from engine_pod.attention.backend import ATTENTION_BACKENDS
-from kv_store.redis_tier import DEFAULT_KEY_PREFIX, REDIS_URL_ENV
+from engine_pod.attention.selector import ATTENTION_BACKENDS
+from engine_pod.config import (
+    CacheConfig,
+    EngineConfig,
+    KVStoreConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SchedulingPolicy,
+)
+from kv_store.redis_tier import REDIS_URL_ENV
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    cache, sched, kv = CacheConfig, SchedulerConfig, KVStoreConfig
     g = parser.add_argument_group("engine")
     g.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 or float64")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    g.add_argument("--num-gpu-blocks", type=int, default=None, help="fixed KV pool size in blocks")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV budget in bytes")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--block-size", type=int, default=cache.block_size)
+    g.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
+    g.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=sched.long_prefill_token_threshold)
+    g.add_argument("--num-gpu-blocks", type=int, default=cache.num_gpu_blocks, help="fixed KV pool size in blocks")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=cache.kv_cache_memory_bytes,
+                   help="KV budget in bytes")
+    g.add_argument("--gpu-memory-utilization", type=float, default=cache.gpu_memory_utilization)
+    # Prefix caching is on by default (CacheConfig.enable_prefix_caching): the flag turns it off.
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+    g.add_argument("--scheduling-policy", default=sched.policy.value, choices=[p.value for p in SchedulingPolicy])
+    g.add_argument("--attention-backend", default=EngineConfig.attention_backend, choices=ATTENTION_BACKENDS,
                    help="auto: triton on CUDA when it supports the model, else torch; triton on CPU needs "
                         "TRITON_INTERPRET=1 (slow, for tests)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1,
+    g.add_argument("--tensor-parallel-size", type=int, default=ParallelConfig.tensor_parallel_size,
                    help="ranks to split the model across, one worker process each (gloo on CPU, nccl on CUDA)")
-    g.add_argument("--speculative-config", default=None,
+    g.add_argument("--speculative-config", default=EngineConfig.speculative,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\'')
     k = parser.add_argument_group("KV store")
-    k.add_argument("--kv-host-bytes", type=int, default=0, help="host-memory tier budget in bytes (0: off)")
-    k.add_argument("--kv-redis-url", default=None,
+    k.add_argument("--kv-host-bytes", type=int, default=kv.host_bytes, help="host-memory tier budget in bytes (0: off)")
+    k.add_argument("--kv-redis-url", default=kv.redis_url,
                    help=f"redis:// or rediss:// URL of the shared tier (default: ${REDIS_URL_ENV}; prefer the "
                         "variable when the URL holds a password: the command line is visible to every user)")
-    k.add_argument("--kv-redis-ttl", type=int, default=3600, help="seconds a block lives in Redis")
+    k.add_argument("--kv-redis-ttl", type=int, default=kv.redis_ttl_seconds, help="seconds a block lives in Redis")
     k.add_argument("--kv-redis-cluster", action="store_true", help="the URL names a Redis Cluster")
-    k.add_argument("--kv-redis-key-prefix", default=DEFAULT_KEY_PREFIX,
+    k.add_argument("--kv-redis-key-prefix", default=kv.redis_key_prefix,
                    help="prefix of every Redis key (one per InferenceService, for a Redis ACL)")
-    k.add_argument("--kv-redis-ca-file", default=None, help="rediss://: CA bundle that signs the server's certificate")
-    k.add_argument("--kv-redis-cert-file", default=None, help="rediss://: client certificate (PEM)")
-    k.add_argument("--kv-redis-key-file", default=None, help="rediss://: the client certificate's private key (PEM)")
-    k.add_argument("--kv-write-queue-size", type=int, default=256,
+    k.add_argument("--kv-redis-ca-file", default=kv.redis_ca_file,
+                   help="rediss://: CA bundle that signs the server's certificate")
+    k.add_argument("--kv-redis-cert-file", default=kv.redis_cert_file, help="rediss://: client certificate (PEM)")
+    k.add_argument("--kv-redis-key-file", default=kv.redis_key_file,
+                   help="rediss://: the client certificate's private key (PEM)")
+    k.add_argument("--kv-write-queue-size", type=int, default=kv.write_queue_size,
                    help="Redis write-behind queue; beyond it writes are dropped (and counted)")
 
 

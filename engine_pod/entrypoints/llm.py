@@ -7,9 +7,8 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from engine_pod.config import create_engine_config
-from engine_pod.core.engine_core import EngineCore
-from engine_pod.core.request_queue import SchedulingPolicy
+from engine_pod.config import SchedulingPolicy, create_engine_config
+from engine_pod.engine.engine_core import EngineCore
 from engine_pod.core.stats import EngineTotals
 from engine_pod.output_processor import OutputProcessor
 from engine_pod.outputs import RequestOutput

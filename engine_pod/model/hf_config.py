@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import torch
 
 from engine_pod.model.rotary import validate_rope_scaling
+from tessera.context_length import max_position_embeddings, read_config, sliding_window
 
 # Architectures the engine implements, and how each differs from Llama.
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -41,27 +41,50 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @dataclass
 class ModelArchConfig:
+    """What the runner needs from a checkpoint's config.json, parsed once and checked."""
+
     architecture: str
+    """The checkpoint's `architectures[0]` (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM)."""
     vocab_size: int
+    """Rows of the embedding and of the LM head."""
     hidden_size: int
+    """Width of the residual stream."""
     num_hidden_layers: int
+    """Decoder layers."""
     num_attention_heads: int
+    """Query heads per layer."""
     num_key_value_heads: int
+    """K/V heads per layer (fewer than query heads under grouped-query attention)."""
     head_dim: int
+    """Width of one attention head (hidden_size / heads unless the checkpoint says otherwise)."""
     intermediate_size: int
+    """Width of the MLP's gate/up projections."""
     rms_norm_eps: float
+    """Epsilon of every RMSNorm."""
     rope_theta: float
+    """Base of the rotary position embedding."""
     rope_scaling: dict[str, Any] | None
+    """The checkpoint's RoPE scaling (llama3, linear, ...), or None."""
     max_position_embeddings: int
+    """Positions the model was trained for (the context limit before the sliding-window cap)."""
     tie_word_embeddings: bool
+    """Whether the LM head reuses the embedding matrix."""
     qkv_bias: bool
+    """Whether the q/k/v projections carry a bias (Qwen2 does)."""
     o_bias: bool
+    """Whether the attention output projection carries a bias."""
     mlp_bias: bool
+    """Whether the MLP projections carry biases."""
     sliding_window: int | None
+    """Tokens each position attends back to, when the checkpoint uses a sliding window; else None."""
     checkpoint_dtype: torch.dtype | None
+    """The dtype the weights are stored in (`torch_dtype`/`dtype`), when named."""
     bos_token_id: int | None
+    """The beginning-of-sequence token, when the checkpoint names one."""
     eos_token_ids: list[int] = field(default_factory=list)
+    """Every token that ends a sequence (config.json and generation_config.json together)."""
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    """The parsed config.json, for what the fields above do not carry."""
 
 
 def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
@@ -88,9 +111,7 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def load_arch_config(model_path: str | Path) -> ModelArchConfig:
     path = Path(model_path)
     config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"model: {path} is not a Hugging Face checkpoint folder (no config.json)")
-    cfg = json.loads(config_file.read_text())
+    cfg = read_config(path)
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
@@ -107,9 +128,6 @@ def load_arch_config(model_path: str | Path) -> ModelArchConfig:
     eos = cfg.get("eos_token_id")
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     dtype_name = cfg.get("torch_dtype") or cfg.get("dtype")
-    sliding = cfg.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-        sliding = None
     return ModelArchConfig(
         architecture=arch,
         vocab_size=int(_require(cfg, "vocab_size", path)),
@@ -122,12 +140,12 @@ def load_arch_config(model_path: str | Path) -> ModelArchConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=max_position_embeddings(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=overrides.get("qkv_bias", attention_bias),
         o_bias=overrides.get("o_bias", attention_bias),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        sliding_window=int(sliding) if sliding else None,
+        sliding_window=sliding_window(cfg),
         checkpoint_dtype=parse_dtype(dtype_name) if dtype_name else None,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,

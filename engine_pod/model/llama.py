@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine_pod.attention.backend import AttentionBackend, AttentionMetadata
+from engine_pod.attention.abstract import AttentionBackend, AttentionMetadata
 from engine_pod.distributed.parallel_state import TensorParallelGroup
 from engine_pod.model.hf_config import ModelArchConfig
 from engine_pod.model.layers import RMSNorm

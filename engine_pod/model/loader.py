@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine_pod.attention.backend import AttentionBackend
+from engine_pod.attention.abstract import AttentionBackend
 from engine_pod.distributed.parallel_state import TensorParallelGroup, single_rank_group
 from engine_pod.model.hf_config import ModelArchConfig
 from engine_pod.model.llama import STACKED_PARAMS, LlamaForCausalLM

@@ -21,13 +21,14 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine_pod.core.engine_core import EngineCore
-from engine_pod.core.scheduler import EngineCoreOutput
+from engine_pod.core.scheduler_output import EngineCoreOutput
 from engine_pod.core.stats import SchedulerStats
+from engine_pod.engine.engine_core import EngineCore
 from engine_pod.request import Request
+from kv_store.block_hash import BlockHash
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,11 @@ class AsyncEngine:
         with self._lock:
             pending = len(self._pending_adds)
         return self.snapshot.num_waiting + pending
+
+    def num_cached_prefix_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """The engine's prefix-cache match of ``block_hashes``, in blocks (read
+        while the engine thread runs: as of this instant)."""
+        return self.core.num_cached_prefix_blocks(block_hashes)
 
     def add_request(self, request: Request) -> asyncio.Queue:
         if self.error is not None:

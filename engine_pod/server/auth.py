@@ -83,12 +83,13 @@ class ServerTLS:
     """Mutual TLS on the pod's gRPC port (PEM files; cert-manager's
     kubernetes.io/tls Secret mounts them as tls.crt, tls.key, ca.crt)."""
 
-    # The pod's certificate (its chain) and private key.
     cert_file: str
+    """The pod's certificate (its chain), PEM (--tls-cert-file)."""
     key_file: str
-    # The CA whose signature a client certificate must carry: a client
-    # without one fails the handshake.
+    """The certificate's private key, PEM (--tls-key-file)."""
     client_ca_file: str
+    """The CA whose signature a client certificate must carry: a client
+    without one fails the handshake (--tls-client-ca-file)."""
 
     @classmethod
     def from_flags(cls, cert_file: str | None, key_file: str | None, client_ca_file: str | None) -> ServerTLS | None:

@@ -6,11 +6,11 @@ service turns into INVALID_ARGUMENT.
 
 from __future__ import annotations
 
-from engine_pod.core.scheduler import EngineCoreOutput
+from engine_pod.core.scheduler_output import EngineCoreOutput
 from engine_pod.processor import Processor
 from engine_pod.request import Request
 from engine_pod.sampling_params import SamplingParams
-from engine_pod.structured_output.wire import params_from_proto
+from tessera.structured_output import params_from_proto
 from tessera.v1 import engine_pb2 as pb
 
 _KNOWN_MODES = set(pb.KVTransferParams.Mode.values())

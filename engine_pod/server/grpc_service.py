@@ -105,23 +105,16 @@ class EngineService(pb_grpc.EngineServicer):
         if self.engine is None:
             return pb.LoadReport(role=self.role, serving=False)
         snap = self.engine.snapshot
-        kv = self.engine.core.scheduler.kv_cache_manager
-        matched = 0
-        # dict.get is atomic under the GIL, so reading the hash map while the
-        # engine thread runs is safe; the answer is as of this instant.
-        for block_hash in request.block_hashes:
-            if kv.block_pool.get_cached_block(block_hash) is None:
-                break
-            matched += 1
+        core = self.engine.core
         return pb.LoadReport(
             role=self.role,
             num_running=snap.num_running,
             num_waiting=snap.num_waiting,
             kv_cache_usage=snap.kv_cache_usage,
-            num_kv_blocks=kv.num_blocks,
+            num_kv_blocks=core.num_blocks,
             num_free_kv_blocks=snap.num_free_blocks,
-            block_size=kv.block_size,
-            matched_prefix_blocks=matched,
+            block_size=core.block_size,
+            matched_prefix_blocks=self.engine.num_cached_prefix_blocks(request.block_hashes),
             serving=self.serving,
             stalled=self.stalled,
         )

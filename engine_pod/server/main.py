@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from engine_pod.config import create_engine_config
-from engine_pod.core.engine_core import EngineCore
+from engine_pod.engine.engine_core import EngineCore
 from engine_pod.entrypoints.cli_args import add_engine_args, engine_kwargs
 from engine_pod.processor import Processor
 from engine_pod.request import Request

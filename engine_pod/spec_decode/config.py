@@ -21,10 +21,14 @@ class SpeculativeConfig:
     """
 
     num_speculative_tokens: int
+    """Drafts proposed per decoding request and step (at most 32)."""
     method: str = "ngram"
-    # vLLM's rule: either bound alone sets both; neither means 5..5.
+    """How drafts are proposed; only "ngram" (prompt lookup) so far."""
     prompt_lookup_min: int | None = None
+    """Shortest context suffix that is looked up. vLLM's rule: either bound
+    alone sets both; neither means 5..5."""
     prompt_lookup_max: int | None = None
+    """Longest context suffix that is looked up (tried first)."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

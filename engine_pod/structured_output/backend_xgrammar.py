@@ -1,9 +1,12 @@
 """The xgrammar backend: constraints parsed into grammars, compiled against
 the model's vocabulary, and matched token by token.
 
-Parsing needs no tokenizer, so the gateway and the engine's admission
-checks validate with ``parse`` (cached); compiling builds the per-token
-masks and runs in the engine core's compile threads.
+Parsing needs no tokenizer, so the engine's admission checks validate with
+``parse`` (cached) when a request is submitted: a constraint xgrammar
+refuses is INVALID_ARGUMENT before any token, which the gateway (whose own
+checks are light: gateway/constraint_check.py) passes on as a 400 naming
+the client's field. Compiling builds the per-token masks and runs in the
+engine core's compile threads.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from engine_pod.structured_output.params import StructuredOutputsParams
+from tessera.structured_output import StructuredOutputsParams
 
 # JSON without free whitespace and with compact separators: a model that
 # may emit whitespace between tokens forever (random weights, or a real

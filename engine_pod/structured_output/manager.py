@@ -20,7 +20,7 @@ from pathlib import Path
 from engine_pod.request import Request
 from engine_pod.structured_output.backend_xgrammar import Grammar, XgrammarBackend
 from engine_pod.structured_output.bitmask import GrammarBitmask
-from engine_pod.structured_output.params import StructuredOutputsParams
+from tessera.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine_pod.core.scheduler_output import SchedulerOutput
 from engine_pod.sampling_params import SamplingParams
 
 
@@ -31,3 +32,27 @@ class CachedRequestState:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+
+
+def update_request_states(requests: dict[str, CachedRequestState], so: SchedulerOutput, device: torch.device) -> None:
+    """Apply what the scheduler says changed: drop finished requests, hold new
+    ones (with their seeded generator, if any), extend or (after a
+    preemption) replace block tables."""
+    for req_id in so.finished_req_ids:
+        requests.pop(req_id, None)
+    for new in so.scheduled_new_reqs:
+        generator = None
+        if new.sampling_params.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(new.sampling_params.seed)
+        requests[new.req_id] = CachedRequestState(
+            new.req_id, new.prompt_token_ids, new.sampling_params,
+            list(new.block_ids), new.num_computed_tokens, generator,
+        )
+    for cached in so.scheduled_cached_reqs:
+        state = requests[cached.req_id]
+        if cached.resumed_from_preemption:
+            state.block_ids = list(cached.new_block_ids)
+        else:
+            state.block_ids.extend(cached.new_block_ids)
+        state.num_computed_tokens = cached.num_computed_tokens

@@ -17,23 +17,27 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway import structured_output
-from gateway.request import (
+from gateway.request import SamplingOptions
+from tessera.sampling_limits import (
+    API_RANGES,
     INT32_MAX,
-    INT64_MAX,
-    INT64_MIN,
+    MAX_COMPLETION_LOGPROBS,
     MAX_LOGPROBS,
     MAX_N,
     MAX_STOP,
     MAX_STOP_TOKEN_IDS,
-    SamplingOptions,
 )
 
-NonNegInt = Annotated[int, Field(ge=0, le=INT32_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX, description="a token id of the model's vocabulary")]
 Text = Annotated[str, Field(min_length=1)]
 _CONTEXT = " The prompt plus max_tokens must fit the model's context (GET /v1/models: max_model_len)."
 # Accepted so SDKs that always send them work, refused (400) unless unused.
 _UNSUPPORTED = "Not supported: only the value shown is accepted."
+
+
+def _ranged(name: str, default=None, **kwargs) -> Field:
+    """A sampling field with the public API's range (tessera.sampling_limits.API_RANGES)."""
+    return Field(default, **API_RANGES[name].pydantic(), **kwargs)
 
 
 class ErrorDetail(BaseModel):
@@ -87,22 +91,22 @@ class _SamplingFields(BaseModel):
     model_config = _STRICT
 
     model: str = Field(description="the served model (GET /v1/models); another name is 404")
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX,
-                             description="choice i samples with seed + i, wrapped to a signed 64-bit integer")
+    n: int = _ranged("n", 1)
+    temperature: float | None = _ranged("temperature")
+    top_p: float | None = _ranged("top_p")
+    presence_penalty: float | None = _ranged("presence_penalty")
+    frequency_penalty: float | None = _ranged("frequency_penalty")
+    seed: int | None = _ranged("seed",
+                               description="choice i samples with seed + i, wrapped to a signed 64-bit integer")
     stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     # vLLM's extensions.
-    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    min_tokens: NonNegInt = Field(0, description="at most max_tokens (or what the context leaves)")
+    top_k: int | None = _ranged("top_k")
+    min_p: float | None = _ranged("min_p")
+    repetition_penalty: float | None = _ranged("repetition_penalty")
+    min_tokens: int = _ranged("min_tokens", 0, description="at most max_tokens (or what the context leaves)")
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
@@ -120,6 +124,7 @@ class _SamplingFields(BaseModel):
 
     def sampling_options(self, max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        constraint, constraint_param = structured_output.from_rest_body(self)
         return SamplingOptions(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -137,7 +142,8 @@ class _SamplingFields(BaseModel):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=structured_output.from_rest_body(self),
+            structured_outputs=constraint,
+            structured_outputs_param=constraint_param,
         )
 
 
@@ -152,8 +158,8 @@ class CompletionRequest(_SamplingFields):
     prompt: _OneText | _OneIds | Annotated[list[_OneText], _doc(minItems=1, maxItems=1)] \
         | Annotated[list[_OneIds], _doc(minItems=1, maxItems=1)] = Field(
             description="one prompt: text, or token ids; batches of prompts are not supported." + _CONTEXT)
-    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX, description="output tokens per choice." + _CONTEXT)
-    logprobs: int | None = Field(None, ge=0, le=5)
+    max_tokens: int | None = _ranged("max_tokens", 16, description="output tokens per choice." + _CONTEXT)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = Field(False, description=_UNSUPPORTED, json_schema_extra={"enum": [False]})
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="only best_of == n is supported")
     suffix: str | None = Field(None, description=_UNSUPPORTED, json_schema_extra={"maxLength": 0})
@@ -181,8 +187,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, description="rendered with the model's chat template." + _CONTEXT)
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="absent: what the context leaves")
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="max_tokens' newer name")
+    max_tokens: int | None = _ranged("max_tokens", description="absent: what the context leaves")
+    max_completion_tokens: int | None = _ranged("max_tokens", description="max_tokens' newer name")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
     add_generation_prompt: bool = True

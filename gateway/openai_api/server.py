@@ -38,7 +38,8 @@ from gateway.openai_api.render import (
     usage_json,
 )
 from gateway.request import GenerationRequest
-from gateway.serving import Gateway, ResponseStream
+from gateway.response_stream import ResponseStream
+from gateway.serving import Gateway
 
 logger = logging.getLogger(__name__)
 # How often a non-streamed request checks that its client is still there.

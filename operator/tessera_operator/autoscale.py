@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tessera_operator.crd import POOL_NAMES
+from tessera_operator.crd_engine import POOL_NAMES
 
 TARGET_FIELDS = {"queue": "targetQueuePerReplica", "ttft": "targetTTFTSeconds",
                  "itl": "targetITLSeconds", "kvUsage": "targetKVUsage"}

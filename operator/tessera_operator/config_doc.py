@@ -1,4 +1,4 @@
-"""The field tables of docs/configuration.md, generated from the CRD schema (crd.py).
+"""The field tables of docs/configuration.md, generated from the CRD schema (crd.openapi_schema).
 
 The page is prose written by hand with generated tables in between. Each block
 
@@ -55,7 +55,7 @@ class Field:
     def description(self) -> str:
         text = self.schema.get("description") or FALLBACK_DESCRIPTIONS.get(self.path)
         if not text:
-            raise ValueError(f"{self.path}: the schema has no description (add one in crd.py)")
+            raise ValueError(f"{self.path}: the schema has no description (add one in crd_spec.py or crd_engine.py)")
         return text
 
 

@@ -7,6 +7,7 @@ import hashlib
 import yaml
 
 from tessera_operator import names, pod_parts, secret_files
+from tessera_operator.crd_spec import DEFAULT_CONTROL_PLANE_IMAGE, DEFAULT_IMAGE
 from tessera_operator.names import Owner
 
 HTTP_PORT = 8000
@@ -63,6 +64,15 @@ def config_map(owner: Owner, spec: dict) -> dict:
     }
 
 
+def image(spec: dict) -> str:
+    """spec.gateway.image; absent, the slim control-plane image beside the default engine image, else
+    spec.image: a custom engine image (a mirror, a build of one's own) holds the gateway too and keeps
+    serving both, as before the two images."""
+    if "image" in spec["gateway"]:
+        return spec["gateway"]["image"]
+    return DEFAULT_CONTROL_PLANE_IMAGE if spec["image"] == DEFAULT_IMAGE else spec["image"]
+
+
 def _probe(path: str, period: int, failures: int) -> dict:
     return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "timeoutSeconds": 3,
             "failureThreshold": failures}
@@ -87,7 +97,7 @@ def deployment(owner: Owner, spec: dict) -> dict:
     volumes, mounts = _volumes(spec, owner)
     container = {
         "name": "gateway",
-        "image": spec["image"],
+        "image": image(spec),
         "imagePullPolicy": spec["imagePullPolicy"],
         "command": ["tessera"],
         "args": ["gateway", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],

@@ -18,6 +18,7 @@ import kopf
 
 from tessera_operator import crd, internal_secret, names
 from tessera_operator.autoscale import Decision, ScalerState, ScalingPolicy, decide
+from tessera_operator.cli import DEFAULT_INTERVAL_S
 from tessera_operator.kube import ApiError, ClusterApi
 from tessera_operator.names import Owner
 from tessera_operator.observe import ScrapeMemory, gateway_queued, observe_pool
@@ -25,7 +26,6 @@ from tessera_operator.reconcile import desired_objects, pool_replicas, stale_key
 from tessera_operator.status import build_status
 from tessera_operator.validation import InvalidInferenceService
 
-DEFAULT_INTERVAL_S = 15.0
 RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)
 
 

@@ -4,32 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 import kopf
 from kubernetes import config
 
-from tessera_operator.handlers import DEFAULT_INTERVAL_S, register
+from tessera_operator.cli import OPERATOR_NAMESPACE_ENV
+from tessera_operator.handlers import register
 from tessera_operator.kube import KubeApi
 
-# The chart sets it from the downward API (metadata.namespace of the operator's pod).
-OPERATOR_NAMESPACE_ENV = "TESSERA_OPERATOR_NAMESPACE"
 logger = logging.getLogger(__name__)
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("operator", help="run the Kubernetes operator that reconciles InferenceServices")
-    scope = p.add_mutually_exclusive_group(required=True)
-    scope.add_argument("-n", "--namespace", action="append", dest="namespaces", metavar="NAMESPACE",
-                       help="watch this namespace (repeatable)")
-    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
-    p.add_argument("--liveness-port", type=int, default=8080, help="serve GET /healthz here (0: off)")
-    p.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S,
-                   help="seconds between autoscaling and drift-correction passes")
-    p.add_argument("--operator-namespace", default=os.environ.get(OPERATOR_NAMESPACE_ENV) or None,
-                   help="the namespace the operator runs in: NetworkPolicies admit its pods to the metrics "
-                        f"ports (default: ${OPERATOR_NAMESPACE_ENV})")
-    p.set_defaults(func=serve)
 
 
 def load_client_config() -> None:

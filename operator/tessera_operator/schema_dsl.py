@@ -1,7 +1,7 @@
 """Small constructors for the OpenAPI v3 (structural) schema of a CRD.
 
-They keep crd.py readable: one line per field, with its type, bounds,
-default and description side by side.
+They keep the CRD's modules (crd, crd_spec, crd_engine) readable: one line
+per field, with its type, bounds, default and description side by side.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
+# A DNS label: object and namespace names.
+DNS_LABEL_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 _UNSET = object()
 
 
@@ -107,3 +109,12 @@ def secret_key_ref(description: str, default_key: str) -> Schema:
         "name": string("Name of the Secret, in the InferenceService's namespace.", min_length=1),
         "key": string("Key in the Secret.", default=default_key, min_length=1),
     }, required=["name"])
+
+
+def resources(description: str) -> Schema:
+    """A container's requests and limits."""
+    return obj(description, {
+        "requests": string_map("Resources the scheduler reserves, by name (cpu, memory, ...).",
+                               quantity("A quantity.")),
+        "limits": string_map("Most the container may use, by name (cpu, memory, ...).", quantity("A quantity.")),
+    }, default={})

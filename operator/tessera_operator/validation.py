@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tessera_operator import crd
+from tessera_operator import crd, crd_engine, crd_spec
+from tessera_operator.schema_dsl import DNS_LABEL_PATTERN
 
 Schema = dict[str, Any]
 
@@ -42,15 +43,15 @@ class InvalidInferenceService(ValueError):
 
 def _name_ok(obj: dict) -> bool:
     name = (obj.get("metadata") or {}).get("name", "")
-    return isinstance(name, str) and len(name) <= crd.MAX_NAME_LENGTH and re.match(crd.NAME_PATTERN, name) is not None
+    return isinstance(name, str) and len(name) <= crd.MAX_NAME_LENGTH and re.match(DNS_LABEL_PATTERN, name) is not None
 
 
 RULE_CHECKS: dict[str, Callable[[dict], bool]] = {
-    crd.MIN_LE_MAX_RULE: lambda pool: pool["minReplicas"] <= pool["maxReplicas"],
-    crd.ONE_SOURCE_RULE: lambda model: ("pvc" in model) != ("hostPath" in model),
-    crd.TP_REDIS_RULE: lambda spec: spec["engine"]["tensorParallelSize"] == 1 or "redis" not in spec["kvStore"],
-    crd.LOOKUP_BOUNDS_RULE: lambda spec: spec["promptLookupMin"] <= spec["promptLookupMax"],
-    crd.DEFAULT_CLASS_RULE: lambda gw: any(c["name"] == gw["defaultPriorityClass"] for c in gw["priorityClasses"]),
+    crd_engine.MIN_LE_MAX_RULE: lambda pool: pool["minReplicas"] <= pool["maxReplicas"],
+    crd_spec.ONE_SOURCE_RULE: lambda model: ("pvc" in model) != ("hostPath" in model),
+    crd_spec.TP_REDIS_RULE: lambda spec: spec["engine"]["tensorParallelSize"] == 1 or "redis" not in spec["kvStore"],
+    crd_engine.LOOKUP_BOUNDS_RULE: lambda spec: spec["promptLookupMin"] <= spec["promptLookupMax"],
+    crd_spec.DEFAULT_CLASS_RULE: lambda gw: any(c["name"] == gw["defaultPriorityClass"] for c in gw["priorityClasses"]),
     crd.NAME_RULE: _name_ok,
 }
 

@@ -1,4 +1,4 @@
-"""Write the chart's CRD file from crd.py: `python -m tessera_operator.write_crd [PATH]`."""
+"""Write the chart's CRD file from crd.py (crd.crd_yaml): `python -m tessera_operator.write_crd [PATH]`."""
 
 from __future__ import annotations
 

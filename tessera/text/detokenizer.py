@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from typing import TYPE_CHECKING
+
 from tokenizers.decoders import DecodeStream
-from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Prompt tokens fed to the stream first, so the first output token decodes in
 # context (leading spaces, characters split across the prompt boundary).

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    # Imported here, not with the module: a control-plane process decides
+    # first whether transformers may see torch (tessera/text/torch_free.py).
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers raises many types for a broken folder

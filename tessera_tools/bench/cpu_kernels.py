@@ -18,24 +18,15 @@ Times are the best of ``--repeats`` rounds of one full pass over the layers.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
 
-from engine_pod.attention.backend import AttentionMetadata
+from engine_pod.attention.abstract import AttentionMetadata
 from engine_pod.model.hf_config import load_arch_config, parse_dtype
-from tessera_tools.bench.common import add_common_args, write_report
-
-
-def _best_of(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+from tessera_tools.bench.common import write_report
+from tessera_tools.bench.flags import add_common_args, int_at_least, positive_int, positive_int_list
+from tessera_tools.bench.stats import best_of
 
 
 def _decode_step(arch, batch: int, context: int, block_size: int, dtype, gen):
@@ -77,7 +68,7 @@ def bench_attention(arch, dtype, batches, context, block_size, repeats, gen) -> 
                 md.backend_cache.clear()  # planned once per step, as in the engine
                 for cache in caches:
                     backend.forward(q, kv, kv, cache, md, arch.head_dim**-0.5)
-            row[f"{backend.name}_ms"] = _best_of(step, repeats) * 1e3
+            row[f"{backend.name}_ms"] = best_of(step, repeats) * 1e3
         # Timing means nothing if the two disagree.
         row["max_abs_diff"] = float((outputs[0].double() - outputs[1].double()).abs().max())
         if not torch.allclose(outputs[0].double(), outputs[1].double(), rtol=1e-3, atol=1e-3):
@@ -131,7 +122,7 @@ def bench_linear(arch, dtype, token_counts, repeats, gen) -> list[dict]:
                     torch.ops.mkldnn._linear_pointwise(x, packed[0][0], None, "none", [None], "")).abs().max()
             if diff > 1e-3 * max(1.0, float(x.abs().max())):
                 raise RuntimeError(f"{tokens} tokens: packed and dense products disagree (max |diff| {diff:.3g})")
-            dense_s, packed_s = _best_of(run_dense, repeats), _best_of(run_packed, repeats)
+            dense_s, packed_s = best_of(run_dense, repeats), best_of(run_packed, repeats)
         row = {"tokens": tokens, "dense_ms": dense_s * 1e3, "packed_ms": packed_s * 1e3,
                "dense_gflops": flops_per_token * tokens / dense_s / 1e9,
                "packed_gflops": flops_per_token * tokens / packed_s / 1e9, "speedup": dense_s / packed_s}
@@ -160,21 +151,17 @@ def main(args: argparse.Namespace) -> int:
         "attention": bench_attention(arch, dtype, args.batches, args.context, args.block_size, args.repeats, gen),
         "linear": bench_linear(arch, dtype, args.tokens, args.repeats, gen),
     }
-    if args.output:
-        write_report(report, args.output)
+    write_report(report, args.output)
     return 0
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
 
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("cpu-kernels", help="CPU decode attention and packed GEMMs vs the torch paths")
     add_common_args(p)
-    p.add_argument("--batches", type=_ints, default=[1, 8, 32, 128], help="decode batch sizes")
-    p.add_argument("--context", type=int, default=400, help="mean context length of the decodes")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--tokens", type=_ints, default=[1, 8, 32, 128, 512, 2048], help="GEMM token counts")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batches", type=positive_int_list, default=[1, 8, 32, 128], help="decode batch sizes")
+    # Contexts are drawn from [context/2, 3*context/2): at 1, every one would be empty.
+    p.add_argument("--context", type=int_at_least(2), default=400, help="mean context length of the decodes")
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--tokens", type=positive_int_list, default=[1, 8, 32, 128, 512, 2048], help="GEMM token counts")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed passes; the best counts")
     p.set_defaults(bench_func=main)

@@ -27,7 +27,6 @@ import json
 import os
 import random
 import re
-import tempfile
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -36,8 +35,12 @@ from pathlib import Path
 import grpc
 import httpx
 
-from tessera_tools.bench.common import percentile, resolve_model, write_report
+from tessera_tools.bench.common import markdown_table, resolve_model, work_dir, write_report
+from tessera_tools.bench.flags import (
+    add_logs_arg, add_model_args, add_output_arg, add_seed_arg, non_negative_int, positive_float, positive_int,
+)
 from tessera_tools.bench.fuzz_cases import Cases, GrpcCase, RestCase, Target
+from tessera_tools.bench.stats import percentile
 from tessera.v1 import inference_pb2_grpc as pb_grpc
 
 FAILURES = ("hang", "server_error", "lost", "bad_error_shape")
@@ -195,12 +198,11 @@ def summarize(outcomes: list[Outcome]) -> dict:
 def _print(report: dict) -> None:
     print(f"\n{report['requests']} requests in {report['elapsed_s']:.1f} s "
           f"(concurrency {report['concurrency']}, deadline {report['timeout_s']:g} s)\n")
-    print("| group | sent | served | refused (4xx) | hangs | server errors | lost | bad error shape | p50 | p99 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for group, c in report["groups"].items():
-        lat = report["latency_ms"][group]
-        print(f"| {group} | {c['sent']} | {c['served']} | {c['refused']} | {c['hang']} | {c['server_error']} | "
-              f"{c['lost']} | {c['bad_error_shape']} | {lat['p50']:.0f} ms | {lat['p99']:.0f} ms |")
+    rows = [[group, *(c[k] for k in ("sent", "served", "refused", *FAILURES)),
+             *(f"{report['latency_ms'][group][p]:.0f} ms" for p in ("p50", "p99"))]
+            for group, c in report["groups"].items()]
+    print(markdown_table(("group", "sent", "served", "refused (4xx)", "hangs", "server errors", "lost",
+                          "bad error shape", "p50", "p99"), rows))
     t = report["totals"]
     print(f"\nhangs {t['hang']}, server errors {t['server_error']}, lost {t['lost']}, "
           f"bad error shapes {t['bad_error_shape']}")
@@ -271,16 +273,13 @@ def main(args: argparse.Namespace) -> int:
         report = _fuzz(args, args.url.rstrip("/"), args.grpc, os.environ.get(API_KEY_ENV) or None,
                        Path(args.model) if args.model else None)
     else:
-        with tempfile.TemporaryDirectory(prefix="tessera-bench-fuzz-") as tmp:
-            work = Path(args.logs or tmp)
-            work.mkdir(parents=True, exist_ok=True)
+        with work_dir(args.logs, "tessera-bench-fuzz-") as work:
             stack, gw, key, model = _own_platform(args, work)
             with stack:
                 report = _fuzz(args, gw.base_url, gw.grpc_address, key, model)
                 report["gateway_alive"] = gw.proc.poll() is None
     _print(report)
     write_report(report, args.output)
-    print(f"\nwrote {args.output}")
     failed = any(report["totals"].values()) or not report.get("gateway_alive", True)
     return 1 if failed else 0
 
@@ -290,17 +289,16 @@ def add_parser(kinds) -> None:
     p.add_argument("--url", default=None, help=f"a running gateway's REST base URL (default: start a platform); "
                                                f"its API key from ${API_KEY_ENV}, if it needs one")
     p.add_argument("--grpc", default=None, help="with --url: the gateway's gRPC address (host:port)")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the tiny preset); with --url, "
-                                                 "read for the vocabulary size")
-    p.add_argument("--valid", type=int, default=1000, help="valid requests (half REST, half gRPC)")
-    p.add_argument("--malformed", type=int, default=1000, help="malformed requests (half REST, half gRPC)")
-    p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a request counts as hung")
-    p.add_argument("--max-tokens", type=int, default=4, help="largest max_tokens of a valid request")
-    p.add_argument("--max-model-len", type=int, default=48, help="the started platform's context")
-    p.add_argument("--pods", type=int, default=2, help="engine pods of the started platform")
-    p.add_argument("--dtype", default="auto", help="the started pods' dtype")
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--logs", default=None, help="keep pod and gateway logs under this folder")
-    p.add_argument("--output", default="bench-results/fuzz.json", help="write the report as JSON here")
+    add_model_args(p, default_tiny=True, model_help="checkpoint folder (default: the tiny preset); with --url, "
+                                                   "read for the vocabulary size")
+    p.add_argument("--valid", type=non_negative_int, default=1000, help="valid requests (half REST, half gRPC)")
+    p.add_argument("--malformed", type=non_negative_int, default=1000, help="malformed requests (half REST, half gRPC)")
+    p.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight at once")
+    p.add_argument("--timeout", type=positive_float, default=60.0, help="seconds before a request counts as hung")
+    p.add_argument("--max-tokens", type=positive_int, default=4, help="largest max_tokens of a valid request")
+    p.add_argument("--max-model-len", type=positive_int, default=48, help="the started platform's context")
+    p.add_argument("--pods", type=positive_int, default=2, help="engine pods of the started platform")
+    add_seed_arg(p)
+    add_logs_arg(p)
+    add_output_arg(p, default="bench-results/fuzz.json")
     p.set_defaults(bench_func=main)

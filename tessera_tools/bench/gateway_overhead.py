@@ -21,17 +21,20 @@ import asyncio
 import math
 import random
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 
 from engine_pod.server.process import EnginePodProcess
 from gateway.process import GatewayProcess
-from tessera_tools.bench.common import percentile, resolve_model, write_report
+from tessera_tools.bench.common import markdown_table, resolve_model, rotated, work_dir, write_report
+from tessera_tools.bench.flags import (
+    add_logs_arg, add_model_args, add_output_arg, add_seed_arg, non_negative_int, positive_float, positive_int,
+    positive_int_list,
+)
+from tessera_tools.bench.stats import percentile
 from tessera.internal_channel import InternalClient
 from tessera.v1 import engine_pb2 as epb
 from tessera.v1 import engine_pb2_grpc as epb_grpc
@@ -127,7 +130,7 @@ async def measure_latency(clients: Clients, samples: int, prompt_len: int, seed:
     timings: dict[str, list[Timing]] = {p: [] for p in PATHS}
     for i in range(samples):
         ids = _prompt(rng, prompt_len)
-        for path in PATHS[i % 3:] + PATHS[:i % 3]:
+        for path in rotated(PATHS, i):
             timings[path].append(await clients.calls[path](ids))
     return timings
 
@@ -184,7 +187,7 @@ async def sweep(clients: Clients, levels: list[int], seconds: float, prompt_len:
                 seed: int) -> dict[str, list[dict]]:
     results: dict[str, list[dict]] = {p: [] for p in PATHS}
     for n, level in enumerate(levels):
-        for path in PATHS[n % 3:] + PATHS[:n % 3]:
+        for path in rotated(PATHS, n):
             results[path].append(await closed_loop(clients.calls[path], level, seconds, prompt_len, seed + n))
             await asyncio.sleep(0.2)  # let the queues drain between runs
     return results
@@ -197,7 +200,7 @@ def max_sustained(levels: list[dict], p99_bound_ms: float) -> dict | None:
 
 # -- the command ------------------------------------------------------------------
 async def _measure(args: argparse.Namespace, pod: EnginePodProcess, gw: GatewayProcess) -> dict:
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = args.concurrency
     async with Clients(pod.address, gw.base_url, gw.grpc_address, args.output_len) as clients:
         await measure_latency(clients, args.warmup, args.prompt_len, args.seed + 1)  # discarded
         timings = await measure_latency(clients, args.samples, args.prompt_len, args.seed)
@@ -210,26 +213,24 @@ def _print_summary(report: dict, args: argparse.Namespace) -> None:
     lat = report["latency"]
     print(f"\n{args.prompt_len}-token prompts, {args.output_len} output tokens; one pod ({args.pod_threads} torch "
           f"thread(s)); {args.samples} interleaved samples per path at concurrency 1\n")
-    print("| path | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 | added TTFT p50 / p99 | added e2e p50 / p99 "
-          "| added e2e, paired median |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = []
     for path in PATHS:
-        e = lat[path]
-        a = e.get("added")
-        added = (f"{a['ttft_p50_ms']:+.2f} / {a['ttft_p99_ms']:+.2f} ms | {a['e2e_p50_ms']:+.2f} / "
-                 f"{a['e2e_p99_ms']:+.2f} ms | {a['paired_median_e2e_ms']:+.2f} ms") if a else "| |"
-        print(f"| {path} | {e['ttft']['p50_ms']:.2f} ms | {e['ttft']['p99_ms']:.2f} ms | {e['e2e']['p50_ms']:.2f} ms "
-              f"| {e['e2e']['p99_ms']:.2f} ms | {added} |")
+        e, a = lat[path], lat[path].get("added")
+        added = [f"{a['ttft_p50_ms']:+.2f} / {a['ttft_p99_ms']:+.2f} ms", f"{a['e2e_p50_ms']:+.2f} / "
+                 f"{a['e2e_p99_ms']:+.2f} ms", f"{a['paired_median_e2e_ms']:+.2f} ms"] if a else ["", "", ""]
+        rows.append([path, *(f"{e[t][p]:.2f} ms" for t in ("ttft", "e2e") for p in ("p50_ms", "p99_ms")), *added])
+    print(markdown_table(("path", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99", "added TTFT p50 / p99",
+                          "added e2e p50 / p99", "added e2e, paired median"), rows))
     print(f"\nClosed-loop sweep ({args.sweep_seconds:g} s per level): completed requests/s (p99 e2e)\n")
-    print("| concurrency | " + " | ".join(PATHS) + " |")
-    print("| --- |" + " --- |" * len(PATHS))
+    rows = []
     for i, level in enumerate(report["sweep"]["direct"]):
         cells = []
         for path in PATHS:
             r = report["sweep"][path][i]
             cells.append(f"{r['completed_per_s']:.0f}/s ({r['p99_e2e_ms']:.0f} ms)"
                          + (f", {r['errors']} errors" if r["errors"] else ""))
-        print(f"| {level['concurrency']} | " + " | ".join(cells) + " |")
+        rows.append([level["concurrency"], *cells])
+    print(markdown_table(("concurrency", *PATHS), rows))
     best = report["sustained"]
     direct_rate = best["direct"]["completed_per_s"] if best["direct"] else math.nan
     parts = []
@@ -248,9 +249,7 @@ def main(args: argparse.Namespace) -> int:
     # One torch thread by default: the pod shares this machine's cores with
     # the gateway and the load generator, and OpenMP threads that spin on a
     # busy core slow everything down.
-    with tempfile.TemporaryDirectory(prefix="tessera-bench-gateway-") as tmp:
-        work = Path(args.logs or tmp)
-        work.mkdir(parents=True, exist_ok=True)
+    with work_dir(args.logs, "tessera-bench-gateway-") as work:
         with EnginePodProcess(model, ["--dtype", args.dtype, "--cpu-threads", str(args.pod_threads)],
                               log_path=work / "pod.log") as pod:
             pod.wait_serving()
@@ -264,24 +263,23 @@ def main(args: argparse.Namespace) -> int:
               "sweep_seconds": args.sweep_seconds, "p99_bound_ms": args.p99_bound_ms, **measured}
     _print_summary(report, args)
     write_report(report, args.output)
-    print(f"\nwrote {args.output}")
     return 0
 
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("gateway", help="gateway added latency and sustained rate vs the engine pod directly")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the tiny preset, built into .cache)")
-    p.add_argument("--dtype", default="auto", help="engine pod's dtype")
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--prompt-len", type=int, default=8)
-    p.add_argument("--output-len", type=int, default=2)
-    p.add_argument("--samples", type=int, default=500, help="low-load requests per path")
-    p.add_argument("--warmup", type=int, default=30, help="discarded low-load requests per path")
-    p.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="closed-loop levels, comma-separated")
-    p.add_argument("--sweep-seconds", type=float, default=5.0, help="seconds per path and level")
-    p.add_argument("--p99-bound-ms", type=float, default=250.0,
+    add_model_args(p, default_tiny=True)
+    add_seed_arg(p)
+    p.add_argument("--prompt-len", type=positive_int, default=8)
+    p.add_argument("--output-len", type=positive_int, default=2)
+    p.add_argument("--samples", type=positive_int, default=500, help="low-load requests per path")
+    p.add_argument("--warmup", type=non_negative_int, default=30, help="discarded low-load requests per path")
+    p.add_argument("--concurrency", type=positive_int_list, default="1,2,4,8,16,32,64",
+                   help="closed-loop levels, comma-separated")
+    p.add_argument("--sweep-seconds", type=positive_float, default=5.0, help="seconds per path and level")
+    p.add_argument("--p99-bound-ms", type=positive_float, default=250.0,
                    help="a level counts as sustained while its p99 end-to-end latency stays under this")
-    p.add_argument("--pod-threads", type=int, default=1, help="torch threads in the pod (--cpu-threads)")
-    p.add_argument("--logs", default=None, help="keep pod and gateway logs under this folder")
-    p.add_argument("--output", default="bench-results/gateway.json", help="write the results as JSON here")
+    p.add_argument("--pod-threads", type=positive_int, default=1, help="torch threads in the pod (--cpu-threads)")
+    add_logs_arg(p)
+    add_output_arg(p, default="bench-results/gateway.json")
     p.set_defaults(bench_func=main)

@@ -14,12 +14,13 @@ import asyncio
 import gc
 import os
 import resource
-import statistics
 import time
 
 from engine_pod import LLM
 from engine_pod.server.process import EnginePodProcess
-from tessera_tools.bench.common import add_common_args, write_report
+from tessera_tools.bench.common import write_report
+from tessera_tools.bench.flags import add_common_args, positive_float, positive_int
+from tessera_tools.bench.stats import percentile
 from tessera_tools.bench.throughput import run_engine
 from tessera_tools.bench.workload import BenchRequest, sharegpt_like
 from tessera.internal_channel import InternalClient
@@ -80,7 +81,6 @@ def main(args: argparse.Namespace) -> int:
     if tokens != expected:
         raise RuntimeError(f"gRPC produced {tokens} tokens, expected {expected}")
     grpc_tps = tokens / seconds
-    delays.sort()
     report = {
         "num_requests": len(requests),
         "output_tokens": expected,
@@ -90,8 +90,8 @@ def main(args: argparse.Namespace) -> int:
                  "client_cpu_seconds": client_cpu},
         "grpc_over_offline": grpc_tps / offline.tokens_per_second,
         "added_delay_per_token_ms": {
-            "p50": statistics.median(delays) * 1000,
-            "p99": delays[int(0.99 * (len(delays) - 1))] * 1000,
+            "p50": percentile(delays, 50) * 1000,
+            "p99": percentile(delays, 99) * 1000,
             "messages": len(delays),
         },
     }
@@ -101,16 +101,15 @@ def main(args: argparse.Namespace) -> int:
           f"p99 {report['added_delay_per_token_ms']['p99']:.2f} ms")
     print(f"CPU seconds: offline engine {offline_cpu:.1f}; pod {pod_cpu:.1f}, client {client_cpu:.1f} "
           f"(the client shares this machine's cores with the pod)")
-    if args.output:
-        write_report(report, args.output)
+    write_report(report, args.output)
     return 0
 
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("grpc", help="engine pod gRPC streaming vs the offline engine")
     add_common_args(p)
-    p.add_argument("--num-requests", type=int, default=128)
-    p.add_argument("--max-prompt-len", type=int, default=512)
-    p.add_argument("--max-output-len", type=int, default=256)
-    p.add_argument("--kv-cache-gib", type=float, default=4.0)
+    p.add_argument("--num-requests", type=positive_int, default=128)
+    p.add_argument("--max-prompt-len", type=positive_int, default=512)
+    p.add_argument("--max-output-len", type=positive_int, default=256)
+    p.add_argument("--kv-cache-gib", type=positive_float, default=4.0)
     p.set_defaults(bench_func=main)

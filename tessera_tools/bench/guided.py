@@ -22,7 +22,8 @@ import torch
 
 from engine_pod import LLM, SamplingParams
 from engine_pod.structured_output import StructuredOutputsParams
-from tessera_tools.bench.common import add_common_args, write_report
+from tessera_tools.bench.common import write_report
+from tessera_tools.bench.flags import add_common_args, add_device_arg, add_threads_arg, positive_float, positive_int
 from tessera_tools.bench.guided_workload import PROMPTS, SCHEMAS
 
 
@@ -92,18 +93,17 @@ def main(args: argparse.Namespace) -> int:
               f"guided/unguided throughput {row['guided_over_unguided']:.3f}")
     print(f"compiling {len(SCHEMAS)} schemas took {compile_seconds:.3f}s; "
           f"{manager.stats.num_compiles} compiles, {manager.stats.num_cache_hits} cache hits in all")
-    if args.output:
-        write_report(report, args.output)
+    write_report(report, args.output)
     return 0
 
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("guided", help="guided decoding (JSON schemas) vs unguided, same requests and tokens")
     add_common_args(p)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    add_device_arg(p)
+    p.add_argument("--num-requests", type=positive_int, default=64)
+    p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--repeats", type=positive_int, default=5)
+    add_threads_arg(p)
+    p.add_argument("--kv-cache-gib", type=positive_float, default=1.0)
     p.set_defaults(bench_func=main)

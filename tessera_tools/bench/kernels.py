@@ -29,7 +29,8 @@ from functools import partial
 
 import torch
 
-from tessera_tools.bench.common import write_report
+from tessera_tools.bench.common import markdown_table, write_report
+from tessera_tools.bench.flags import add_output_arg, positive_float, positive_int, positive_int_list
 
 # Vendor datasheet HBM bandwidth (TB/s) by device-name fragment, most
 # specific first.
@@ -80,21 +81,20 @@ def decode_shapes(batches: list[int], contexts: list[int], heads: Heads, element
     ]
 
 
+DECODE_COLUMNS = ("batch", "context", "splits", "triton ms", "SDPA ms", "triton / SDPA", "triton TB/s", "% of peak",
+                  "SDPA TB/s")
+
+
+def _decode_cells(r: dict, peak_tbps: float | None) -> list:
+    if "error" in r:
+        return [r["batch"], r["context"], "", r["error"], *[""] * (len(DECODE_COLUMNS) - 4)]
+    pct = f"{100 * r['triton_tbps'] / peak_tbps:.0f}%" if peak_tbps else "n/a"
+    return [r["batch"], r["context"], r["splits"], f"{r['triton_ms']:.3f}", f"{r['sdpa_ms']:.3f}",
+            f"{r['triton_ms'] / r['sdpa_ms']:.2f}x", f"{r['triton_tbps']:.2f}", pct, f"{r['sdpa_tbps']:.2f}"]
+
+
 def markdown_decode_table(rows: list[dict], peak_tbps: float | None) -> str:
-    lines = [
-        "| batch | context | splits | triton ms | SDPA ms | triton / SDPA | triton TB/s | % of peak | SDPA TB/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['batch']} | {r['context']} | | {r['error']} | | | | | |")
-            continue
-        pct = f"{100 * r['triton_tbps'] / peak_tbps:.0f}%" if peak_tbps else "n/a"
-        lines.append(
-            f"| {r['batch']} | {r['context']} | {r['splits']} | {r['triton_ms']:.3f} | {r['sdpa_ms']:.3f} | "
-            f"{r['triton_ms'] / r['sdpa_ms']:.2f}x | {r['triton_tbps']:.2f} | {pct} | {r['sdpa_tbps']:.2f} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(DECODE_COLUMNS, (_decode_cells(r, peak_tbps) for r in rows), align="---:")
 
 
 # The acceptance targets (issue 9), on an H200.
@@ -266,31 +266,14 @@ def main(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _positive_int(text: str) -> int:
-    values = _int_list(text)
-    if len(values) != 1:
-        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
-    return values[0]
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_parser(kinds) -> None:
     p = kinds.add_parser("kernels", help="triton attention kernels on CUDA: correctness, decode vs SDPA, mixed step")
-    p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16, 64, 128, 256])
-    p.add_argument("--context-lens", type=_int_list, default=[512, 2048, 4096, 8192, 32768])
-    p.add_argument("--block-size", type=_positive_int, default=16)
-    p.add_argument("--max-kv-gib", type=float, default=40.0,
+    p.add_argument("--batch-sizes", type=positive_int_list, default=[1, 4, 16, 64, 128, 256])
+    p.add_argument("--context-lens", type=positive_int_list, default=[512, 2048, 4096, 8192, 32768])
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--max-kv-gib", type=positive_float, default=40.0,
                    help="skip decode shapes whose K/V exceed this (SDPA's contiguous copy doubles it)")
-    p.add_argument("--peak-bandwidth-tbps", type=float, default=None,
+    p.add_argument("--peak-bandwidth-tbps", type=positive_float, default=None,
                    help="the device's peak HBM bandwidth in TB/s (default: looked up by device name)")
-    p.add_argument("--output", default="bench-results/kernels.json", help="write the results as JSON here")
+    add_output_arg(p, default="bench-results/kernels.json")
     p.set_defaults(bench_func=main)

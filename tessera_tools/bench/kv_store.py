@@ -19,7 +19,9 @@ from engine_pod import LLM, SamplingParams
 from kv_store.codec import BlockCodec, BlockLayout
 from kv_store.local_redis import RedisServer
 from kv_store.redis_tier import RedisTier, RedisTierConfig
-from tessera_tools.bench.common import add_common_args, write_report
+from tessera_tools.bench.common import write_report
+from tessera_tools.bench.flags import add_common_args, int_at_least, positive_float, positive_int
+from tessera_tools.bench.stats import best_of
 from tessera.internal_secret import InternalSecret
 
 
@@ -93,12 +95,7 @@ def _codec_costs(layout: BlockLayout, repeats: int) -> dict:
     }
     out = {"block_bytes": len(signed)}
     for name, step in steps.items():
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            step()
-            best = min(best, time.perf_counter() - start)
-        out[name] = best * 1000
+        out[name] = best_of(step, repeats) * 1000
     out["mac_gb_s"] = len(signed) / ((out["decode_verified_ms"] - out["decode_host_ms"]) / 1000) / 1e9
     return out
 
@@ -190,19 +187,20 @@ def main(args: argparse.Namespace) -> int:
                   f"(median {statistics.median(ratios) if ratios else float('nan'):.0%})")
         finally:
             server.stop()
-    if args.output:
-        write_report(report, args.output)
+    write_report(report, args.output)
     return 0
 
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("kv-store", help="TTFT from the KV store tiers; Redis tier read throughput")
     add_common_args(p)
-    p.add_argument("--prompt-len", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--kv-cache-gib", type=float, default=2.0)
-    p.add_argument("--host-gib", type=float, default=2.0)
-    p.add_argument("--read-mib", type=int, default=512, help="MiB read per round of the throughput test")
-    p.add_argument("--run-blocks", type=int, default=8, help="blocks per key for the alternative unit")
-    p.add_argument("--read-rounds", type=int, default=5)
+    # Room for the 64-token warm-up prompt (the context is --prompt-len),
+    # and so at least one block per round trip of the read test.
+    p.add_argument("--prompt-len", type=int_at_least(64), default=2048)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--kv-cache-gib", type=positive_float, default=2.0)
+    p.add_argument("--host-gib", type=positive_float, default=2.0)
+    p.add_argument("--read-mib", type=positive_int, default=512, help="MiB read per round of the throughput test")
+    p.add_argument("--run-blocks", type=positive_int, default=8, help="blocks per key for the alternative unit")
+    p.add_argument("--read-rounds", type=positive_int, default=5)
     p.set_defaults(bench_func=main)

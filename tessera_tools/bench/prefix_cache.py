@@ -13,7 +13,8 @@ import time
 
 from engine_pod import LLM, SamplingParams
 from kv_store.block_hash import hash_request_tokens
-from tessera_tools.bench.common import add_common_args, write_report
+from tessera_tools.bench.common import rotated, write_report
+from tessera_tools.bench.flags import add_common_args, add_device_arg, non_negative_int, positive_float, positive_int
 from tessera_tools.bench.workload import BenchRequest, shared_prefix, sharegpt_like
 
 
@@ -71,10 +72,7 @@ def main(args: argparse.Namespace) -> int:
     ratios, direct = [], []
     for r in range(args.rounds):
         unique = sharegpt_like(tokenizer, args.unique_requests, 512, 128, seed=1000 + r)
-        # Alternate which engine goes first, so drift in machine load
-        # does not favour one side.
-        order = (("on", True), ("off", False)) if r % 2 == 0 else (("off", False), ("on", True))
-        results = {key: _run(engines[on], unique) for key, on in order}
+        results = {key: _run(engines[on], unique) for key, on in rotated((("on", True), ("off", False)), r)}
         ratios.append(results["on"]["tokens_per_second"] / results["off"]["tokens_per_second"])
         direct.append(caching_cpu_seconds(unique, engines[True].config.cache.block_size) / results["off"]["seconds"])
         report["no_shared_prefix"][f"round_{r}"] = results
@@ -85,20 +83,19 @@ def main(args: argparse.Namespace) -> int:
     print(f"no shared prefix, {args.rounds} alternating rounds: throughput on/off ratios "
           f"{', '.join(f'{x:.3f}' for x in ratios)}; median overhead {1.0 - median:.1%}; "
           f"hashing + lookups replayed: {statistics.median(direct):.3%} of a run's wall time")
-    if args.output:
-        write_report(report, args.output)
+    write_report(report, args.output)
     return 0
 
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("prefix-cache", help="prefix caching on vs off")
     add_common_args(p)
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--prefix-len", type=int, default=1024)
-    p.add_argument("--suffix-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--unique-requests", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--kv-cache-gib", type=float, default=4.0)
+    p.add_argument("--num-requests", type=positive_int, default=64)
+    p.add_argument("--prefix-len", type=positive_int, default=1024)
+    p.add_argument("--suffix-len", type=non_negative_int, default=32)
+    p.add_argument("--output-len", type=positive_int, default=32)
+    p.add_argument("--unique-requests", type=positive_int, default=32)
+    p.add_argument("--rounds", type=positive_int, default=7, help="alternating on/off rounds without a shared prefix")
+    add_device_arg(p)
+    p.add_argument("--kv-cache-gib", type=positive_float, default=4.0)
     p.set_defaults(bench_func=main)

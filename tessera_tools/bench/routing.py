@@ -21,7 +21,6 @@ import math
 import os
 import random
 import statistics
-import tempfile
 import time
 import urllib.request
 from contextlib import ExitStack
@@ -32,7 +31,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_pod.server.process import EnginePodProcess
 from gateway.process import GatewayProcess
-from tessera_tools.bench.common import percentile, resolve_model, write_report
+from tessera_tools.bench.common import markdown_table, resolve_model, rotated, work_dir, write_report
+from tessera_tools.bench.flags import (
+    add_logs_arg, add_model_args, add_output_arg, add_seed_arg, non_negative_int, positive_float, positive_int,
+)
+from tessera_tools.bench.stats import percentile
 from tessera_tools.fixtures.tokenizer import corpus_lines
 
 MODEL_NAME = "bench"
@@ -278,14 +281,13 @@ def _print_summary(report: dict) -> None:
           f"prompts x {w['prompt_len']} tokens + {w['suffix_len']}-token suffix, {w['output_len']} output tokens; "
           f"KV cache per pod {report['kv_cache_bytes_per_pod']:,} bytes = {report['kv_blocks_per_pod']} blocks "
           f"= {w['kv_prompts']} requests' worth; {len(report['rounds'])} round(s)\n")
-    print("| policy | hit rate (usage) | hit rate (pod counters) | mean TTFT | p50 TTFT | p99 TTFT | mean e2e "
-          "| requests per pod | errors |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for policy in POLICIES:
-        p = report["pooled"][policy]
-        print(f"| {policy} | {p['hit_rate']:.1%} | {p['pod_counter_hit_rate']:.1%} | {p['mean_ttft_s'] * 1e3:.1f} ms "
-              f"| {p['p50_ttft_s'] * 1e3:.1f} ms | {p['p99_ttft_s'] * 1e3:.1f} ms | {p['mean_e2e_s'] * 1e3:.1f} ms "
-              f"| {p['requests_per_pod']} | {p['errors']} |")
+    header = ("policy", "hit rate (usage)", "hit rate (pod counters)", "mean TTFT", "p50 TTFT", "p99 TTFT", "mean e2e",
+              "requests per pod", "errors")
+    rows = [[policy, f"{p['hit_rate']:.1%}", f"{p['pod_counter_hit_rate']:.1%}",
+             *(f"{p[key] * 1e3:.1f} ms" for key in ("mean_ttft_s", "p50_ttft_s", "p99_ttft_s", "mean_e2e_s")),
+             p["requests_per_pod"], p["errors"]]
+            for policy, p in report["pooled"].items()]
+    print(markdown_table(header, rows))
     r = report["ratios"]
     print(f"\nscorer / round robin: hit rate {r['hit_rate_score_over_rr']:.2f}x (target >= 1.5x); "
           f"mean TTFT {r['mean_ttft_rr_over_score']:.2f}x lower (target > 1x)")
@@ -303,14 +305,11 @@ def main(args: argparse.Namespace) -> int:
                                           int(args.kv_prompts * request_tokens))
     pod_args = ["--dtype", args.dtype, "--block-size", str(args.block_size), "--kv-cache-memory-bytes", str(kv_bytes)]
     runs: dict[str, list[dict]] = {p: [] for p in POLICIES}
-    with tempfile.TemporaryDirectory(prefix="tessera-bench-routing-") as tmp:
+    with work_dir(args.logs, "tessera-bench-routing-") as work:
         settings = RunSettings(model, pod_args, args.output_len, args.max_concurrency,
-                               args.prompt_len + args.suffix_len, args.block_size, args.pod_threads,
-                               Path(args.logs or tmp))
+                               args.prompt_len + args.suffix_len, args.block_size, args.pod_threads, work)
         for round_ in range(args.rounds):
-            # Alternate which policy goes first, so drift in machine load favours neither.
-            order = POLICIES if round_ % 2 == 0 else POLICIES[::-1]
-            for policy in order:
+            for policy in rotated(POLICIES, round_):
                 run = run_policy(policy, requests, settings, f"round{round_}-{policy}")
                 runs[policy].append(run)
                 print(f"round {round_} {policy}: hit rate {run['hit_rate']:.1%}, mean TTFT "
@@ -336,30 +335,28 @@ def main(args: argparse.Namespace) -> int:
     }
     _print_summary(report)
     write_report(report, args.output)
-    print(f"\nwrote {args.output}")
     return 0 if score["errors"] == 0 and rr["errors"] == 0 else 1
 
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("routing", help="gateway routing: KV-aware scorer vs round robin")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the tiny preset, built into .cache; "
-                   "make bench-models builds models/bench)")
-    p.add_argument("--dtype", default="auto", help="engine pods' dtype")
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--num-requests", type=int, default=160)
-    p.add_argument("--rate", type=float, default=4.0,
+    add_model_args(p, default_tiny=True)
+    add_seed_arg(p)
+    p.add_argument("--num-requests", type=positive_int, default=160)
+    p.add_argument("--rate", type=positive_float, default=4.0,
                    help="mean arrivals per second (Poisson); 4/s keeps the tiny model's pods below saturation here")
-    p.add_argument("--max-concurrency", type=int, default=0, help="cap on requests in flight (0: none)")
-    p.add_argument("--system-prompts", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=1024, help="tokens per system prompt")
-    p.add_argument("--suffix-len", type=int, default=32, help="tokens of each request's own suffix")
-    p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--kv-prompts", type=float, default=4.0,
+    p.add_argument("--max-concurrency", type=non_negative_int, default=0, help="cap on requests in flight (0: none)")
+    p.add_argument("--system-prompts", type=positive_int, default=8)
+    p.add_argument("--prompt-len", type=positive_int, default=1024, help="tokens per system prompt")
+    p.add_argument("--suffix-len", type=non_negative_int, default=32, help="tokens of each request's own suffix")
+    p.add_argument("--output-len", type=positive_int, default=16)
+    p.add_argument("--kv-prompts", type=positive_float, default=4.0,
                    help="each pod's KV cache, in requests' worth of tokens (prompt + suffix + output)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--pod-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--pod-threads", type=positive_int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="torch threads per pod (--cpu-threads; default: half the cores each)")
-    p.add_argument("--rounds", type=int, default=2, help="runs per policy (fresh pods each, order alternating)")
-    p.add_argument("--logs", default=None, help="keep pod and gateway logs under this folder")
-    p.add_argument("--output", default="bench-results/routing.json", help="write the results as JSON here")
+    p.add_argument("--rounds", type=positive_int, default=2,
+                   help="runs per policy (fresh pods each, order alternating)")
+    add_logs_arg(p)
+    add_output_arg(p, default="bench-results/routing.json")
     p.set_defaults(bench_func=main)

@@ -18,7 +18,8 @@ import time
 import torch
 
 from engine_pod import LLM, SamplingParams
-from tessera_tools.bench.common import add_common_args, write_report
+from tessera_tools.bench.common import rotated, write_report
+from tessera_tools.bench.flags import add_common_args, add_threads_arg, positive_int, positive_int_list
 from tessera_tools.bench.workload import BenchRequest, copy_heavy
 
 
@@ -74,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
         # forward's k + 1 rows) stalls in OpenMP barriers whenever another
         # process holds a core, while the one-row decode GEMV does not.
         torch.set_num_threads(args.threads)
-    ks = [0] + [int(k) for k in args.k.split(",")]
+    ks = [0, *args.k]
     llms = {
         k: LLM(args.model, dtype=args.dtype, device="cpu", kv_cache_memory_bytes=args.kv_cache_mib << 20,
                speculative_config=None if k == 0 else {
@@ -93,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
             # Fresh text each round, so no engine replays what it cached.
             requests = copy_heavy(tokenizer, args.num_requests, args.passage_len, args.repeats, args.output_len,
                                   seed=args.seed + 10 * r + alone)
-            for k in ks[r % len(ks):] + ks[: r % len(ks)]:
+            for k in rotated(ks, r):
                 runs[k].append(_run_once(llms[k], requests, alone))
             if any(runs[k][-1]["token_ids"] != runs[0][-1]["token_ids"] for k in ks):
                 raise RuntimeError(f"{name}: speculation changed the greedy tokens")
@@ -107,22 +108,21 @@ def main(args: argparse.Namespace) -> int:
                   f"acceptance {s['acceptance_rate']:.0%}, mean accepted length {s['mean_accepted_length']:.2f}")
     for llm in llms.values():
         llm.shutdown()
-    if args.output:
-        write_report(report, args.output)
+    write_report(report, args.output)
     return 0
 
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("spec", help="n-gram speculative decoding on vs off")
     add_common_args(p)
-    p.add_argument("--k", default="2,4,6", help="draft lengths to compare, comma-separated")
-    p.add_argument("--lookup-min", type=int, default=2)
-    p.add_argument("--lookup-max", type=int, default=4)
-    p.add_argument("--num-requests", type=int, default=2)
-    p.add_argument("--passage-len", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--output-len", type=int, default=48)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--kv-cache-mib", type=int, default=256)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--k", type=positive_int_list, default="2,4,6", help="draft lengths to compare, comma-separated")
+    p.add_argument("--lookup-min", type=positive_int, default=2)
+    p.add_argument("--lookup-max", type=positive_int, default=4)
+    p.add_argument("--num-requests", type=positive_int, default=2)
+    p.add_argument("--passage-len", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=3, help="copies of the passage in each prompt")
+    p.add_argument("--output-len", type=positive_int, default=48)
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--kv-cache-mib", type=positive_int, default=256)
+    add_threads_arg(p)
     p.set_defaults(bench_func=main)

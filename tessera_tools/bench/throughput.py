@@ -7,7 +7,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from engine_pod import LLM, SamplingParams
-from tessera_tools.bench.common import add_common_args, write_report
+from tessera_tools.bench.common import write_report
+from tessera_tools.bench.flags import add_common_args, add_device_arg, positive_float, positive_int
 from tessera_tools.bench.workload import BenchRequest, sharegpt_like
 
 
@@ -93,21 +94,20 @@ def main(args: argparse.Namespace) -> int:
         report["speedup"] = engine.tokens_per_second / hf_tps
         print(f"hf static batches of {args.hf_batch_size}: {hf.useful_tokens} useful tokens in {hf.seconds:.1f}s "
               f"= {hf_tps:.1f} tok/s; Tessera / HF = {report['speedup']:.1f}x")
-    if args.output:
-        write_report(report, args.output)
+    write_report(report, args.output)
     return 0
 
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("throughput", help="offline throughput: Tessera vs HF static batching")
     add_common_args(p)
-    p.add_argument("--num-requests", type=int, default=128)
-    p.add_argument("--max-prompt-len", type=int, default=512)
-    p.add_argument("--max-output-len", type=int, default=256)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-gib", type=float, default=4.0)
-    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--num-requests", type=positive_int, default=128)
+    p.add_argument("--max-prompt-len", type=positive_int, default=512)
+    p.add_argument("--max-output-len", type=positive_int, default=256)
+    add_device_arg(p)
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    p.add_argument("--kv-cache-gib", type=positive_float, default=4.0)
+    p.add_argument("--hf-batch-size", type=positive_int, default=32)
     p.add_argument("--skip-hf", action="store_true", help="run Tessera only")
     p.set_defaults(bench_func=main)

@@ -14,6 +14,7 @@ import argparse
 from engine_pod.config import create_engine_config
 from engine_pod.executor.multiproc import MultiProcExecutor
 from tessera_tools.bench.common import write_report
+from tessera_tools.bench.flags import add_model_args, add_output_arg, positive_int
 
 
 def _per_rank(args: argparse.Namespace, tp: int) -> list[dict]:
@@ -40,16 +41,14 @@ def main(args: argparse.Namespace) -> int:
     print(f"weights per rank: TP=1 {base['weight_bytes'] / mib:.1f} MiB, TP={args.tp} {weights} MiB "
           f"({ratio:.1%} of TP=1); peak RSS per rank: TP=1 {base.get('peak_rss_bytes', 0) / mib:.0f} MiB, "
           f"TP={args.tp} {peaks} MiB")
-    if args.output:
-        write_report(report, args.output)
+    write_report(report, args.output)
     return 0
 
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("tp-memory", help="per-rank weight memory at TP=1 vs TP=N (CPU)")
-    p.add_argument("--model", required=True, help="checkpoint folder (make bench-models builds models/bench)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--kv-blocks", type=int, default=64)
-    p.add_argument("--output", help="write the results as JSON here")
+    add_model_args(p)
+    p.add_argument("--tp", type=positive_int, default=2)
+    p.add_argument("--kv-blocks", type=positive_int, default=64)
+    add_output_arg(p)
     p.set_defaults(bench_func=main)

@@ -20,11 +20,12 @@ import time
 import torch
 
 from engine_pod.config import create_engine_config
-from engine_pod.core.engine_core import EngineCore
+from engine_pod.engine.engine_core import EngineCore
 from engine_pod.executor.multiproc import MultiProcExecutor
 from engine_pod.request import Request
 from engine_pod.sampling_params import SamplingParams
-from tessera_tools.bench.common import add_common_args, write_report
+from tessera_tools.bench.common import rotated, write_report
+from tessera_tools.bench.flags import add_common_args, positive_int
 
 
 def _decode_step_seconds(
@@ -66,8 +67,7 @@ def main(args: argparse.Namespace) -> int:
     channel_per_step = []
     try:
         for r in range(args.rounds + 1):  # round 0 warms up both
-            order = list(engines.items()) if r % 2 == 0 else list(reversed(engines.items()))
-            for name, core in order:
+            for name, core in rotated(list(engines.items()), r):
                 times, channel = _decode_step_seconds(
                     core, args.num_requests, args.prompt_len, args.steps, f"{name}-{r}"
                 )
@@ -97,18 +97,17 @@ def main(args: argparse.Namespace) -> int:
     print(f"{args.num_requests}-request decode step, TP=1: in process {in_ms:.2f} ms, through MultiProcExecutor "
           f"{mp_ms:.2f} ms (difference {mp_ms - in_ms:+.2f} ms); channel time attributed per step "
           f"{channel_ms:.3f} ms (scheduler output {executor.last_broadcast_bytes} bytes pickled)")
-    if args.output:
-        write_report(report, args.output)
+    write_report(report, args.output)
     return 0
 
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("tp-overhead", help="per-step cost of the multi-process executor's broadcast (CPU)")
     add_common_args(p)
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--steps", type=int, default=50, help="timed decode steps per round")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the rank (both engines)")
-    p.add_argument("--kv-cache-mib", type=int, default=256)
+    p.add_argument("--num-requests", type=positive_int, default=64)
+    p.add_argument("--prompt-len", type=positive_int, default=32)
+    p.add_argument("--steps", type=positive_int, default=50, help="timed decode steps per round")
+    p.add_argument("--rounds", type=positive_int, default=4)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads of the rank (both engines)")
+    p.add_argument("--kv-cache-mib", type=positive_int, default=256)
     p.set_defaults(bench_func=main)

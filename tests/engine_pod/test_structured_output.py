@@ -12,7 +12,7 @@ import pytest
 
 from engine_pod import LLM, SamplingParams
 from engine_pod.request import Request, RequestStatus
-from engine_pod.structured_output import StructuredOutputsParams
+from tessera.structured_output import StructuredOutputsParams
 from tessera_tools.bench.guided_workload import PROMPTS, SCHEMAS
 
 
@@ -140,7 +140,7 @@ def test_bad_constraint_in_a_batch_adds_nothing(llm):
     with pytest.raises(ValueError, match="structured_outputs.regex"):
         llm.generate(["a", "b"], [_guided(regex="[0-9]+"), _guided(regex="[0-9")])
     assert not llm.engine_core.has_unfinished_requests()
-    with pytest.raises(ValueError, match="SamplingParams.structured_outputs must be StructuredOutputsParams"):
+    with pytest.raises(ValueError, match="SamplingParams.structured_outputs: must be StructuredOutputsParams"):
         SamplingParams(structured_outputs={"json": {}})
 
 

@@ -1,9 +1,12 @@
 """What the gateway tests read off running processes: Prometheus sums, an
-engine pod's in-flight count, a streamed response's chunks."""
+engine pod's in-flight count, a streamed response's chunks; and waiting
+for a condition."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import httpx
 
@@ -44,3 +47,11 @@ async def sse_data(response):
         if line.startswith("data: "):
             data = line[len("data: "):]
             yield data if data == "[DONE]" else json.loads(data)
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    """Wait (polling, on the running loop) until `condition()` holds; fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)

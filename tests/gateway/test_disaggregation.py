@@ -96,7 +96,7 @@ def test_a_guided_request_is_disaggregated_and_follows_its_grammar(pd_platform, 
     """The decode pod samples every output token under the grammar (the
     prefill pod's token is discarded): the text equals the offline engine's
     guided output."""
-    from engine_pod.structured_output import StructuredOutputsParams
+    from tessera.structured_output import StructuredOutputsParams
 
     gw, _, _ = pd_platform
     prompt = " ".join(f"clause{i} of the guided document" for i in range(20))

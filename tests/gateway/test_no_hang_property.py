@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from gateway.request import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_TOKEN_IDS
+from tessera.sampling_limits import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_TOKEN_IDS
 from tests.gateway.conftest import KEYS, MODEL_NAME
 from tessera.v1 import inference_pb2 as pb
 from tessera.v1 import inference_pb2_grpc as pb_grpc

@@ -25,7 +25,8 @@ from gateway.grpc_service import InferenceService, add_to_server
 from gateway.main import build_gateway
 from gateway.openai_api.server import build_app
 from gateway.pods.discovery import static_members
-from gateway.request import INT64_MAX, INT64_MIN, SamplingOptions
+from gateway.request import SamplingOptions
+from tessera.sampling_limits import INT64_MAX, INT64_MIN
 from tests.gateway.conftest import KEYS, MODEL_NAME, gateway_config, write_tenants
 from tessera.v1 import inference_pb2 as pb
 from tessera.v1 import inference_pb2_grpc as pb_grpc

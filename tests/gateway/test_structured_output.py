@@ -1,7 +1,9 @@
 """Guided decoding through the real platform (gateway + engine pods as
 processes on loopback): REST with the official OpenAI SDK, the gateway's
 gRPC API, and the engine pod's own gRPC API; bad constraints are refused
-with 400 / INVALID_ARGUMENT before any engine time."""
+with 400 / INVALID_ARGUMENT naming the field, by the gateway's light checks
+or, for what only the grammar compiler can judge, by the engine pod at
+submit, before any token (and before any byte of a stream)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,13 @@ import json
 import re
 
 import grpc
+import httpx
 import jsonschema
 import openai
 import pytest
 
 from engine_pod import SamplingParams
-from engine_pod.structured_output import StructuredOutputsParams
+from tessera.structured_output import StructuredOutputsParams
 from tessera_tools.bench.guided_workload import SCHEMAS
 from tests.gateway.conftest import KEYS, MODEL_NAME, client
 from tests.gateway.observe import metric_sum, pod_metrics_url
@@ -125,6 +128,32 @@ def test_bad_constraints_are_400_naming_the_field(platform, kwargs, param, messa
     assert body["type"] == "invalid_request_error"
 
 
+# Constraints the gateway's light checks pass that xgrammar refuses: the engine
+# pod answers INVALID_ARGUMENT at submit, which the gateway renders as the same
+# 400 its own checks give, naming the client's field.
+ENGINE_REFUSED = [
+    ({"guided_grammar": 'root ::= "a" |'}, "guided_grammar", "guided_grammar: invalid grammar: "),
+    ({"structured_outputs": {"grammar": 'root ::= ("a"'}}, "structured_outputs",
+     "structured_outputs.grammar: invalid grammar: "),
+    ({"guided_regex": "(?=a)a"}, "guided_regex", "guided_regex: invalid regex: "),
+    ({"response_format": _json_schema_format({"properties": {"a": {"$ref": "#/nope"}}})}, "response_format",
+     "response_format: invalid JSON schema: "),
+]
+
+
+@pytest.mark.parametrize("body,param,message", ENGINE_REFUSED, ids=[p for _, p, _m in ENGINE_REFUSED])
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_engine_refused_constraints_are_400_naming_the_field(platform, body, param, message, stream):
+    r = httpx.post(platform.base_url + "/v1/chat/completions", timeout=60,
+                   headers={"Authorization": f"Bearer {KEYS['alice']}"},
+                   json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4, "stream": stream, **body})
+    # A status and OpenAI's error body, not a 200 event stream carrying an error.
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(message), error
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_structured_output"
+
+
 # -- gRPC: the gateway's tessera.v1.Inference ------------------------------------
 
 @pytest.fixture(scope="module")
@@ -161,6 +190,25 @@ BAD_GRPC = [
     (spb.StructuredOutputs(json_object=False), "json_object: must be true"),
     (spb.StructuredOutputs(), "set one of json, json_object, regex, choice, grammar"),
 ]
+
+
+# The first three pass the gateway's light checks; the engine pod refuses them.
+GRPC_ENGINE_REFUSED = [
+    (spb.StructuredOutputs(grammar='root ::= "a" |'), "params.structured_outputs.grammar: invalid grammar: "),
+    (spb.StructuredOutputs(regex="(?<=a)b"), "params.structured_outputs.regex: invalid regex: "),
+    (spb.StructuredOutputs(json='{"properties": {"a": {"$ref": "#/nope"}}}'),
+     "params.structured_outputs.json: invalid JSON schema: "),
+]
+
+
+@pytest.mark.parametrize("constraint,message", GRPC_ENGINE_REFUSED, ids=["grammar", "regex", "schema"])
+def test_grpc_engine_refused_constraints_are_invalid_argument(stub, constraint, message):
+    params = pb.GenerationParams(max_tokens=4, structured_outputs=constraint)
+    for call in (stub.CompleteUnary, lambda req, **kw: list(stub.Complete(req, **kw))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(pb.CompletionRequest(model=MODEL_NAME, prompt="hi", params=params), metadata=_auth())
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(message), err.value.details()
 
 
 @pytest.mark.parametrize("constraint,message", BAD_GRPC, ids=[m for _, m in BAD_GRPC])

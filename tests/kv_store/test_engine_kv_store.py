@@ -223,7 +223,7 @@ def test_forged_replayed_truncated_and_misaddressed_values_never_change_a_token(
     # Each prompt's run stops at its first block: one refusal each.
     assert dict(rstore.stats.rejected) == {("redis", "mac"): 2, ("redis", "truncated"): 1,
                                            ("redis", "misaddressed"): 1}
-    # Deleted on detection (tests/kv_store/test_store.py checks the delete
+    # Deleted on detection (tests/kv_store/test_tiered_store.py checks the delete
     # itself); the reader then saved freshly computed blocks, so every key
     # holds a genuine value again.
     rstore.flush()

@@ -109,7 +109,7 @@ def test_page_is_generated_from_the_current_schema():
 def test_every_field_has_a_description():
     missing = [p for p, (node, _) in schema_fields().items()
                if not node.get("description") and p not in config_doc.FALLBACK_DESCRIPTIONS]
-    assert missing == [], "add descriptions in crd.py (kubectl explain and the docs show them)"
+    assert missing == [], "add descriptions in crd_spec.py or crd_engine.py (kubectl explain and the docs show them)"
 
 
 def _example_resources(text: str) -> list[dict]:

@@ -9,6 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kv_store.block_hash import DEFAULT_BLOCK_SIZE
 from tessera_operator import InvalidInferenceService, crd, validate_inference_service
 from tessera_operator.validation import RULE_CHECKS
 
@@ -46,7 +47,7 @@ def reference_errors(obj: dict) -> list[str]:
 
 def test_chart_crd_is_generated_from_the_python_home():
     on_disk = (CHART / "crds" / "inferenceservices.tessera.dev.yaml").read_text()
-    assert on_disk == crd.crd_yaml(), "run `python -m tessera_operator.write_crd` after editing crd.py"
+    assert on_disk == crd.crd_yaml(), "run `python -m tessera_operator.write_crd` after editing the schema"
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -106,7 +107,8 @@ def test_defaults_are_applied():
     out = validate_inference_service(make_isvc())
     spec = out["spec"]
     assert spec["mode"] == "mixed"
-    assert spec["engine"]["blockSize"] == 16 and spec["engine"]["prefixCaching"] is True
+    # The block size's one home is the KV store's hash (the gateway hashes prompts with it).
+    assert spec["engine"]["blockSize"] == DEFAULT_BLOCK_SIZE == 16 and spec["engine"]["prefixCaching"] is True
     assert spec["pools"]["mixed"] == {"replicas": 1, "minReplicas": 1, "maxReplicas": 4, "resources": {}}
     assert spec["autoscaling"]["decode"]["signal"] == "kvUsage"
     assert spec["gateway"]["priorityClasses"][0]["name"] == spec["gateway"]["defaultPriorityClass"] == "standard"

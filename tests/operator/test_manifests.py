@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tessera_operator import crd
+from tessera_operator import crd, crd_spec
 from tessera_operator.kube import MANAGED_KINDS
 from tessera_operator.reconcile import desired_objects
 
@@ -117,13 +117,22 @@ def test_watched_namespaces_get_roles_and_nothing_cluster_wide():
     args = _args(docs)
     assert args[args.index("operator"):] [:5] == ["operator", "--namespace", "ml", "--namespace", "research"]
     deployment = next(d for d in docs if d["kind"] == "Deployment")
-    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/tessera-ai/tessera:dev"
+    image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image == "ghcr.io/tessera-ai/tessera-control-plane:dev"
+
+
+def test_operator_runs_the_slim_image_its_gateways_get():
+    """The chart's default operator image is the control-plane image the operator gives gateway pods."""
+    deployment = next(d for d in render() if d["kind"] == "Deployment")
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == crd_spec.DEFAULT_CONTROL_PLANE_IMAGE
+    version = crd_spec.DEFAULT_CONTROL_PLANE_IMAGE.rsplit(":", 1)[1]
+    assert crd_spec.DEFAULT_IMAGE == f"ghcr.io/tessera-ai/tessera:{version}"
 
 
 def test_operator_deployment_runs_the_cli_with_liveness():
     import argparse
 
-    from tessera_operator.main import add_parser
+    from tessera_operator.cli import add_parser
 
     docs = render({"operator": {"livenessPort": 9000, "interval": 30}})
     deployment = next(d for d in docs if d["kind"] == "Deployment")

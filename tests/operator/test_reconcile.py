@@ -188,13 +188,13 @@ def test_engine_args_parse_with_the_engine_cli(full):
 def test_engine_choices_in_the_schema_are_the_engines():
     """The CRD spells the engine's choices out (the operator does not import
     the engine); they must not drift apart."""
-    from engine_pod.attention.backend import ATTENTION_BACKENDS
+    from engine_pod.attention.selector import ATTENTION_BACKENDS
     from engine_pod.spec_decode import config as spec_config
-    from tessera_operator import crd
+    from tessera_operator import crd_engine
 
-    assert crd.ATTENTION_BACKENDS == ATTENTION_BACKENDS
-    assert crd.SPEC_METHODS == spec_config.METHODS
-    assert crd.MAX_SPECULATIVE_TOKENS == spec_config.MAX_SPECULATIVE_TOKENS
+    assert crd_engine.ATTENTION_BACKENDS == ATTENTION_BACKENDS
+    assert crd_engine.SPEC_METHODS == spec_config.METHODS
+    assert crd_engine.MAX_SPECULATIVE_TOKENS == spec_config.MAX_SPECULATIVE_TOKENS
 
 
 def test_gpus_equal_tensor_parallel_size_unless_set():

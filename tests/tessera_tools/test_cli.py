@@ -12,7 +12,7 @@ import pytest
 
 from engine_pod import LLM, SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent  # the repository
 
 
 def _tessera(*args: str, timeout: int = 120, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -126,3 +126,65 @@ def test_gateway_refuses_a_bad_config_with_a_clear_message(tmp_path):
     proc = _tessera("gateway", "--config", str(tmp_path / "gateway.yaml"))
     assert proc.returncode == 2
     assert "pods.static: address 'nohost' is not host:port" in proc.stderr
+
+
+def _listed_help(parser) -> dict[str, str]:
+    import argparse
+
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {choice.dest: choice.help for choice in subcommands._choices_actions}
+
+
+def test_help_lists_every_subcommand_without_importing_it():
+    """`tessera --help` imports no subcommand's module (they may take seconds:
+    torch, kubernetes), yet lists each with its one-line help."""
+    code = (
+        "import sys\nfrom tessera_tools import cli\n"
+        "text = ' '.join(cli.build_parser([]).format_help().split())\n"
+        "modules = {spec.split(':')[0] for _, spec in cli._COMMANDS.values()} - {'tessera_tools.cli'}\n"
+        "heavy = ('torch', 'kopf', 'kubernetes', 'fastapi', 'grpc', 'engine_pod', 'gateway.main')\n"
+        "print(sorted(m for m in (*modules, *heavy) if m in sys.modules))\n"
+        "print(all(f'{name} {help_text}' in text for name, (help_text, _) in cli._COMMANDS.items()))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["[]", "True"], proc.stdout
+
+
+def test_each_subcommands_listed_help_is_its_own():
+    """The lazy listing's help is what each subcommand's module registers."""
+    from tessera_tools import cli
+
+    assert _listed_help(cli.build_parser()) == {name: help_text for name, (help_text, _) in cli._COMMANDS.items()}
+    assert _listed_help(cli.build_parser([])) == _listed_help(cli.build_parser())
+
+
+@pytest.mark.parametrize("argv,command", [
+    (["gateway", "--config", "x"], "gateway"), (["--log-level", "INFO", "up", "-f", "a"], "up"),
+    (["--log-level=DEBUG", "api-key", "--tenant", "t"], "api-key"), (["--log", "INFO", "bench"], "bench"),
+    (["--help"], None), ([], None),
+])
+def test_the_subcommand_is_found_in_the_arguments(argv, command):
+    from tessera_tools import cli
+
+    assert cli._command_in(argv) == command
+
+
+def test_subcommand_help_loads_only_that_subcommand():
+    proc = _tessera("gateway", "--help")
+    assert proc.returncode == 0 and "--config CONFIG" in proc.stdout and "--drain-timeout" in proc.stdout
+    proc = _tessera("nosuch")
+    assert proc.returncode == 2 and "invalid choice: 'nosuch'" in proc.stderr
+
+
+@pytest.mark.parametrize("command", [["engine", "--help"], ["generate", "--model", "m", "--prompt", "x"]])
+def test_an_engine_command_without_torch_names_the_extra(command):
+    """In a control-plane install (no torch) an engine command exits 2 naming the extra,
+    not with a traceback; torch is made unimportable the way an absent one is."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from tessera_tools.cli import main\n"
+            f"sys.exit(main({command!r}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert "needs the engine extra (pip install 'tessera[engine]'): torch is not installed" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -29,9 +29,13 @@ class TileConfig:
     inner-loop step."""
 
     block_m: int
+    """Rows of a query tile: query tokens times the padded GQA group."""
     tile_n: int
+    """Keys each inner-loop step attends to."""
     num_warps: int = 4
+    """Warps per program (triton launch option)."""
     num_stages: int = 2
+    """Software-pipelining stages of the inner loop (triton launch option)."""
 
 
 @dataclass(frozen=True)
@@ -46,9 +50,13 @@ class SplitRule:
     """
 
     num_sms: int
+    """Multiprocessors of the device (1 under the interpreter: never split)."""
     min_keys_per_split: int = 256
+    """Shortest run of keys one split attends to."""
     max_splits: int = 64
+    """Most splits of one decode's keys."""
     waves: int = 2
+    """Programs per multiprocessor a split launch aims for."""
 
     def num_splits(self, num_decodes: int, num_kv_heads: int, max_context: int) -> int:
         programs = num_decodes * num_kv_heads

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from tessera_tools.bench.flags import non_negative_int, positive_float, positive_int
+
 
 def _run(args: argparse.Namespace) -> int:
     from tessera_tools.bench.serve.runner import main  # aiohttp, transformers: only when the command runs
@@ -27,7 +29,7 @@ def add_parser(kinds) -> None:
                         help="/v1/completions (text prompt) or /v1/chat/completions (messages)")
     target.add_argument("--no-ignore-eos", action="store_true",
                         help="do not send ignore_eos (by default it is sent, and dropped if the server refuses it)")
-    target.add_argument("--request-timeout", type=float, default=600.0,
+    target.add_argument("--request-timeout", type=positive_float, default=600.0,
                         help="seconds a request may wait for its next bytes before it counts as failed")
 
     data = p.add_argument_group("dataset")
@@ -36,22 +38,23 @@ def add_parser(kinds) -> None:
                            "(default: the seeded synthetic ShareGPT-like workload)")
     data.add_argument("--tokenizer", default=None,
                       help="checkpoint folder whose tokenizer measures prompt lengths (default: Tessera's preset one)")
-    data.add_argument("--num-prompts", type=int, default=200, help="requests per rate")
-    data.add_argument("--max-prompt-len", type=int, default=512, help="synthetic: longest prompt, in tokens")
-    data.add_argument("--max-output-len", type=int, default=256, help="synthetic: longest output, in tokens")
-    data.add_argument("--prefix-groups", type=int, default=0,
+    data.add_argument("--num-prompts", type=positive_int, default=200, help="requests per rate")
+    data.add_argument("--max-prompt-len", type=positive_int, default=512, help="synthetic: longest prompt, in tokens")
+    data.add_argument("--max-output-len", type=positive_int, default=256, help="synthetic: longest output, in tokens")
+    data.add_argument("--prefix-groups", type=non_negative_int, default=0,
                       help="each request starts with one of this many shared prefixes (0: none)")
-    data.add_argument("--prefix-len", type=int, default=256, help="tokens of each shared prefix")
+    data.add_argument("--prefix-len", type=positive_int, default=256, help="tokens of each shared prefix")
     data.add_argument("--seed", type=int, default=0, help="seed of the dataset, prefix choice and arrivals")
 
     load = p.add_argument_group("load")
     rates = load.add_mutually_exclusive_group()
     rates.add_argument("--request-rate", default="inf", help="requests/s, or inf: all at once (default)")
     rates.add_argument("--request-rates", default=None, help="a sweep, comma-separated, e.g. 1,2,4,8,inf")
-    load.add_argument("--burstiness", type=float, default=1.0,
+    load.add_argument("--burstiness", type=positive_float, default=1.0,
                       help="gamma shape of the arrivals: 1 Poisson, < 1 burstier, > 1 more even")
-    load.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    load.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests sent one by one first")
+    load.add_argument("--max-concurrency", type=positive_int, default=None, help="at most this many requests in flight")
+    load.add_argument("--num-warmups", type=non_negative_int, default=1,
+                      help="unmeasured requests sent one by one first")
 
     out = p.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",

@@ -4,7 +4,7 @@
 - Latencies (ms): TTFT, TPOT and E2E latency have one value per successful
   request (TPOT only for outputs of 2+ tokens); ITL pools every gap of every
   successful request. Each gets mean, median, std and the asked percentiles
-  (numpy's linear interpolation, as vLLM).
+  (stats.percentile: linear interpolation, as vLLM).
 - Throughput over the run's duration (first request sent -> last one ended):
   completed requests/s, output tokens/s, (prompt + output) tokens/s.
 - Goodput: requests/s of those that meet every given SLO (TTFT, TPOT, E2E
@@ -15,9 +15,10 @@
 
 from __future__ import annotations
 
-import numpy as np
+import statistics
 
 from tessera_tools.bench.serve.stream import RequestOutcome
+from tessera_tools.bench.stats import percentile
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -61,8 +62,8 @@ def latency_stats(name: str, values_ms: list[float], percentiles: list[float]) -
     keys = ["mean", "median", "std", *(percentile_key(p) for p in percentiles)]
     if not values_ms:
         return {f"{k}_{name}_ms": None for k in keys}
-    data = np.asarray(values_ms, dtype=float)
-    values = [data.mean(), np.median(data), data.std(), *np.percentile(data, percentiles)]
+    values = [statistics.fmean(values_ms), statistics.median(values_ms), statistics.pstdev(values_ms),
+              *(percentile(values_ms, p) for p in percentiles)]
     return {f"{k}_{name}_ms": float(v) for k, v in zip(keys, values)}
 
 

@@ -1,12 +1,12 @@
 """The sweep's results: a block per rate as it finishes, a markdown table at
-the end (ready for docs/benchmarks.md), and the JSON file."""
+the end (ready for docs/benchmarks.md), and the JSON file's per-request
+records (common.write_report writes the file)."""
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
+from tessera_tools.bench.common import markdown_table
 from tessera_tools.bench.serve.metrics import LATENCY_METRICS, percentile_key
 from tessera_tools.bench.serve.stream import RequestOutcome
 
@@ -54,31 +54,14 @@ def print_rate(summary: dict, percentiles: list[float]) -> None:
 
 def print_sweep_table(summaries: list[dict], tail: float) -> None:
     tail_key = percentile_key(tail)
-    print(f"\n| rate (req/s) | completed | failed | req/s | output tok/s | TTFT median / {tail_key} (ms) "
-          f"| TPOT median / {tail_key} (ms) | ITL median / {tail_key} (ms) | E2E median / {tail_key} (ms) "
-          "| goodput (req/s) |")
-    print("| --- " * 10 + "|")
+    header = ["rate (req/s)", "completed", "failed", "req/s", "output tok/s",
+              *(f"{name} median / {tail_key} (ms)" for name in ("TTFT", "TPOT", "ITL", "E2E")), "goodput (req/s)"]
+    rows = []
     for s in summaries:
         cells = [_rate_text(s["request_rate"]), str(s["completed"]), str(s["failed"]), _fmt(s["request_throughput"]),
                  _fmt(s["output_throughput"], 1)]
         cells += [f"{_fmt(s[f'median_{n}_ms'], 1)} / {_fmt(s[f'{tail_key}_{n}_ms'], 1)}" for n in LATENCY_METRICS]
         cells.append(_fmt(s.get("request_goodput")) if "request_goodput" in s else "-")
-        print("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    print("\n" + markdown_table(header, rows))
 
-
-def _strict(value):
-    """NaN and infinity are not JSON: they become null (a rate is already "inf")."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _strict(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_strict(v) for v in value]
-    return value
-
-
-def write_json(report: dict, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_strict(report), indent=2, allow_nan=False))
-    return path

@@ -22,7 +22,8 @@ from tessera_tools.bench.serve.dataset import (
 )
 from tessera_tools.bench.serve.load import RateRun, run_at_rate
 from tessera_tools.bench.serve.metrics import parse_percentiles, parse_slos, summarize
-from tessera_tools.bench.serve.report import print_rate, print_sweep_table, rate_json, request_records, write_json
+from tessera_tools.bench.common import write_report
+from tessera_tools.bench.serve.report import print_rate, print_sweep_table, rate_json, request_records
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,8 @@ class Settings:
 
 
 def parse_settings(args: argparse.Namespace) -> Settings:
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ValueError("--max-concurrency must be >= 1")
-    if args.num_prompts < 1:
-        raise ValueError("--num-prompts must be >= 1")
-    if not args.burstiness > 0:
-        raise ValueError("--burstiness must be > 0")
+    """The flags argparse cannot check alone (the numeric ones have types in
+    serve/__init__.py)."""
     rates = parse_rates(args.request_rates or args.request_rate)
     return Settings(rates, parse_percentiles(args.metric_percentiles), parse_slos(args.goodput or []))
 
@@ -163,7 +160,7 @@ def main(args: argparse.Namespace) -> int:
         "ignore_eos": target.ignore_eos, "percentiles": settings.percentiles, "goodput_slos_ms": settings.slos,
         "runs": [{**summary, "requests": request_records(run.outcomes)} for run, summary in runs],
     }
-    print(f"\nwrote {write_json(report, args.output_json)}")
+    write_report(report, args.output_json)
     if args.plot_dir:
         for path in _write_plots(args.plot_dir, runs, settings.tail):
             print(f"wrote {path}")

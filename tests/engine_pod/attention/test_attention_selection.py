@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from engine_pod.attention.backend import get_attention_backend
+from engine_pod.attention.selector import get_attention_backend
 
 CPU = torch.device("cpu")
 # Only the choice is made: nothing here touches a CUDA device, so these run
@@ -33,7 +33,7 @@ def test_auto_on_cpu_falls_back_to_torch_when_the_kernels_cannot_build(caplog, m
     from engine_pod.attention.cpu_ops import build
 
     monkeypatch.setattr(build, "load_cpu_ops", lambda: "no C++ compiler (c++/g++) on PATH")
-    with caplog.at_level(logging.WARNING, logger="engine_pod.attention.backend"):
+    with caplog.at_level(logging.WARNING, logger="engine_pod.attention.selector"):
         assert get_attention_backend("auto", CPU, 64, torch.float32).name == "torch"
     assert "no C++ compiler" in caplog.text and "using torch" in caplog.text
     with pytest.raises(ValueError, match="attention_backend='cpu' cannot run here: no C\\+\\+ compiler"):
@@ -72,7 +72,7 @@ def test_explicit_triton_rejects_unsupported_models(head_size, dtype, message, m
 
 def test_auto_on_cuda_falls_back_to_torch_with_a_warning(caplog, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with caplog.at_level(logging.WARNING, logger="engine_pod.attention.backend"):
+    with caplog.at_level(logging.WARNING, logger="engine_pod.attention.selector"):
         backend = get_attention_backend("auto", CUDA, 96, torch.bfloat16)
     assert backend.name == "torch"
     assert "head size 96 is not supported" in caplog.text and "using torch" in caplog.text
@@ -95,7 +95,7 @@ def test_kernels_imported_before_the_interpreter_was_set_are_refused():
         "os.environ.pop('TRITON_INTERPRET', None)\n"
         "import engine_pod.attention.triton_ops.cache_write\n"
         "os.environ['TRITON_INTERPRET'] = '1'\n"
-        "from engine_pod.attention.backend import get_attention_backend\n"
+        "from engine_pod.attention.selector import get_attention_backend\n"
         "get_attention_backend('triton', torch.device('cpu'), 64, torch.float32)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -254,3 +254,19 @@ def test_finished_request_keeps_computed_blocks_cached():
     kv.free(req)
     hits, num_hit = kv.get_computed_blocks(make_req("b", tokens + [2]))
     assert num_hit == 12 and len(hits) == 3
+
+
+def test_num_cached_prefix_blocks_counts_the_leading_run_only():
+    """The load report's prefix match: leading cached blocks, stopping at the first miss."""
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    req = make_req("a", PROMPT)  # two full blocks cached after admission
+    admit(kv, req)
+    other = make_req("b", list(range(500, 512))).block_hashes
+    assert kv.num_cached_prefix_blocks(req.block_hashes) == 2
+    assert kv.num_cached_prefix_blocks(req.block_hashes[:1]) == 1
+    assert kv.num_cached_prefix_blocks([req.block_hashes[0], other[1], req.block_hashes[1]]) == 1
+    assert kv.num_cached_prefix_blocks(other) == 0
+    assert kv.num_cached_prefix_blocks([]) == 0
+    # The same lookup as admission's: what it counts is what a new request would hit.
+    twin = make_req("c", PROMPT + [7, 7])
+    assert kv.get_computed_blocks(twin)[1] == kv.num_cached_prefix_blocks(twin.block_hashes) * BS

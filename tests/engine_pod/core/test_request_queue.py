@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from engine_pod.config import SchedulingPolicy
 from engine_pod.core.request_queue import (
     FCFSRequestQueue,
     PriorityRequestQueue,
-    SchedulingPolicy,
     create_request_queue,
 )
 from engine_pod.request import Request

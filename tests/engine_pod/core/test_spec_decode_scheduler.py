@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from engine_pod.core.scheduler_output import ModelRunnerOutput
-from tests.engine_pod.core.test_scheduler import BS, EOS, assert_no_leak, make_req, make_sched
+from tests.engine_pod.core.scheduler_helpers import BS, EOS, assert_no_leak, make_req, make_sched
 
 
 def model(ctx: list[int]) -> int:

@@ -13,9 +13,9 @@ import torch
 import xgrammar as xgr
 
 from engine_pod.sample.ops import apply_grammar_bitmask
-from engine_pod.structured_output import StructuredOutputsParams
 from engine_pod.structured_output.backend_xgrammar import Grammar, XgrammarBackend
 from engine_pod.structured_output.bitmask import GrammarBitmask
+from tessera.structured_output import StructuredOutputsParams
 from tessera.text import load_tokenizer
 
 VOCAB = 8192  # the tiny checkpoint's logits width

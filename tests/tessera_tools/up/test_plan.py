@@ -13,7 +13,7 @@ from tessera_tools.up.plan import LocalOptions, build_plan, split_cpus
 from tessera_tools.up.supervisor import MAX_BACKOFF_S, STABLE_AFTER_S, Supervisor
 from tessera_operator.validation import InvalidInferenceService
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _ports():

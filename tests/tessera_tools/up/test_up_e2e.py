@@ -20,7 +20,7 @@ from tessera.internal_secret import InternalSecret
 from tessera.v1 import inference_pb2 as pb
 from tessera.v1 import inference_pb2_grpc as pb_grpc
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _children(pid: int) -> dict[int, str]:

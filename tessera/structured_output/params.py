@@ -1,4 +1,5 @@
-"""What a request constrains its output to (vLLM's StructuredOutputsParams)."""
+"""What a request constrains its output to (vLLM's StructuredOutputsParams):
+the contract the gateway and the engine share, so it lives in the base."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ class StructuredOutputsParams:
     strings, verbatim) or ``grammar`` (EBNF, xgrammar's GBNF dialect).
 
     Checks here are about shape; whether a schema, regex or grammar is
-    well-formed is checked by the backend (``backend_xgrammar.validate``).
+    well-formed is checked by the engine's grammar backend
+    (``engine_pod.structured_output.backend_xgrammar.validate``), and, as
+    far as light libraries can tell, by the gateway before that.
     """
 
     json: dict | str | None = None

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from engine_pod.config import EngineConfig
 from engine_pod.core.kv_cache_manager import KVCacheManager
 from engine_pod.core.kv_connector import KVConnectorScheduler
-from engine_pod.core.scheduler import EngineCoreOutput, Scheduler
+from engine_pod.core.scheduler import Scheduler
+from engine_pod.core.scheduler_output import EngineCoreOutput
 from engine_pod.core.stats import EngineTotals, SchedulerStats
+from engine_pod.engine.kv_store_factory import build_kv_store
 from engine_pod.executor import Executor, create_executor
 from engine_pod.request import Request, RequestStatus
 from engine_pod.structured_output.manager import StructuredOutputManager
-from engine_pod.worker.kv_store_factory import build_kv_store
+from kv_store.block_hash import BlockHash
 from tessera.text import load_eos_token_ids
 
 logger = logging.getLogger(__name__)
@@ -24,6 +27,23 @@ _GRAMMAR_WAIT_S = 0.01
 
 
 class EngineCore:
+    """One engine: the scheduler, the executor (and through it the model
+    runner(s)), the KV store and the structured output manager, built and
+    sized together at start-up.
+
+    Owns the Scheduler (and its KVCacheManager), the Executor, the KV store
+    and the grammar manager; shuts them all down. Called by the offline LLM
+    (entrypoints/llm.py) and, in a pod, by the AsyncEngine's loop
+    (server/async_engine.py), always from one thread; only
+    ``num_cached_prefix_blocks`` and the fixed ``num_blocks`` and
+    ``block_size`` may be read from another (the pod's load report).
+
+    Invariants: the KV pool holds at least one max_model_len sequence (a
+    start-up error otherwise), so a step that schedules nothing while
+    requests are pending and none waits for a grammar is a bug, raised as
+    one; a failed start stops every worker it began.
+    """
+
     def __init__(self, config: EngineConfig, executor: Executor | None = None,
                  tokenizer_path: str | None = None) -> None:
         self.config = config
@@ -63,8 +83,17 @@ class EngineCore:
         self.last_stats = SchedulerStats()
         logger.info("engine core ready: %d KV blocks of %d tokens", num_blocks, block_size)
 
+    @property
+    def block_size(self) -> int:
+        return self.config.cache.block_size
+
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+
+    def num_cached_prefix_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of ``block_hashes`` this engine's prefix
+        cache holds right now; safe from another thread (KVCacheManager)."""
+        return self.scheduler.kv_cache_manager.num_cached_prefix_blocks(block_hashes)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

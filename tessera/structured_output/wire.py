@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from engine_pod.structured_output.params import StructuredOutputsParams
+from tessera.structured_output.params import StructuredOutputsParams
 from tessera.v1 import structured_output_pb2 as pb
 
 

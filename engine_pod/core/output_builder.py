@@ -1,0 +1,60 @@
+"""One step's scheduling decisions as the SchedulerOutput the runner reads:
+requests it has not seen in full, the ones it holds as what changed."""
+
+from __future__ import annotations
+
+from engine_pod.core.kv_cache_manager import KVCacheManager
+from engine_pod.core.scheduler_output import (
+    CachedRequestData,
+    KVConnectorMetadata,
+    NewRequestData,
+    SchedulerOutput,
+)
+from engine_pod.request import Request
+
+
+def build_scheduler_output(
+    kv: KVCacheManager,
+    scheduled_new: list[Request],
+    scheduled_running: list[Request],
+    num_scheduled: dict[str, int],
+    new_blocks: dict[str, list[int]],
+    preempted: list[Request],
+    finished_req_ids: set[str],
+    kv_connector: KVConnectorMetadata | None,
+) -> SchedulerOutput:
+    """``scheduled_new`` were admitted from the waiting queue this step (fresh
+    or resumed after preemption), ``scheduled_running`` were running already
+    and got ``new_blocks``; ``num_scheduled`` is every request's token count."""
+    new_reqs: list[NewRequestData] = []
+    cached_reqs: list[CachedRequestData] = []
+    for request in scheduled_new:
+        if request.num_preemptions:
+            # Resumed after preemption: the runner still holds its state
+            # (tokens, sampling generator); it gets a fresh block table.
+            cached_reqs.append(
+                CachedRequestData(
+                    request.request_id, kv.get_block_ids(request.request_id),
+                    request.num_computed_tokens, resumed_from_preemption=True,
+                )
+            )
+        else:
+            new_reqs.append(
+                NewRequestData(
+                    request.request_id, request.prompt_token_ids, request.sampling_params,
+                    kv.get_block_ids(request.request_id), request.num_computed_tokens,
+                )
+            )
+    for request in scheduled_running:
+        cached_reqs.append(
+            CachedRequestData(request.request_id, new_blocks[request.request_id], request.num_computed_tokens)
+        )
+    return SchedulerOutput(
+        scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=cached_reqs,
+        num_scheduled_tokens=num_scheduled,
+        total_num_scheduled_tokens=sum(num_scheduled.values()),
+        finished_req_ids=finished_req_ids,
+        preempted_req_ids={r.request_id for r in preempted},
+        kv_connector=kv_connector,
+    )
