@@ -35,7 +35,7 @@ def build_scheduler_output(
             cached_reqs.append(
                 CachedRequestData(
                     request.request_id, kv.get_block_ids(request.request_id),
-                    request.num_computed_tokens, resumed_from_preemption=True,
+                    request.num_computed_tokens, request.num_prompt_tokens, resumed_from_preemption=True,
                 )
             )
         else:
@@ -47,7 +47,10 @@ def build_scheduler_output(
             )
     for request in scheduled_running:
         cached_reqs.append(
-            CachedRequestData(request.request_id, new_blocks[request.request_id], request.num_computed_tokens)
+            CachedRequestData(
+                request.request_id, new_blocks[request.request_id], request.num_computed_tokens,
+                request.num_prompt_tokens,
+            )
         )
     return SchedulerOutput(
         scheduled_new_reqs=new_reqs,

@@ -28,6 +28,8 @@ class CachedRequestData:
     # Appended to the runner's block table, or replacing it when resumed.
     new_block_ids: list[int]
     num_computed_tokens: int
+    # The prompt's length (the runner knows it; the step-time model of a simulated pod reads it).
+    num_prompt_tokens: int
     resumed_from_preemption: bool = False
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from engine_pod.config import EngineConfig
 from engine_pod.core.kv_cache_manager import KVCacheManager
 from engine_pod.core.kv_connector import KVConnectorScheduler
 from engine_pod.core.scheduler import Scheduler
-from engine_pod.core.scheduler_output import EngineCoreOutput
+from engine_pod.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from engine_pod.core.stats import EngineTotals, SchedulerStats
 from engine_pod.engine.kv_store_factory import build_kv_store
 from engine_pod.executor import Executor, create_executor
@@ -24,6 +25,10 @@ logger = logging.getLogger(__name__)
 # How long an idle step waits for a grammar compile before returning to the
 # caller's loop (which takes in new requests and aborts between steps).
 _GRAMMAR_WAIT_S = 0.01
+
+# Called after each non-empty step's forward with the step's SchedulerOutput
+# and the seconds spent in the executor (`tessera bench profile` fits step times on it).
+StepObserver = Callable[[SchedulerOutput, float], None]
 
 
 class EngineCore:
@@ -49,6 +54,7 @@ class EngineCore:
         self.config = config
         self.tokenizer_path = tokenizer_path or str(config.model.path)
         self.executor = executor or create_executor(config)
+        self.step_observer: StepObserver | None = None
         try:
             self._start(config)
         except BaseException:
@@ -106,7 +112,12 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
+        if self.step_observer is None or scheduler_output.is_empty:
+            runner_output = self.executor.execute_model(scheduler_output)
+        else:
+            start = time.perf_counter()
+            runner_output = self.executor.execute_model(scheduler_output)
+            self.step_observer(scheduler_output, time.perf_counter() - start)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.last_stats = self.scheduler.make_stats()
         self.totals.add(self.last_stats)

@@ -67,6 +67,15 @@ BAD = [
     ("serve", "--burstiness", "0"),
     ("serve", "--request-timeout", "-1"),
     ("serve", "--num-warmups", "-1"),
+    ("profile", "--holdout", "0"),
+    ("profile", "--holdout", "1"),
+    ("profile", "--holdout", "x"),
+    ("profile", "--budgets", "0"),
+    ("profile", "--batch-sizes", "4,x"),
+    ("profile", "--prompt-lens", "-8"),
+    ("profile", "--decode-len", "0"),
+    ("profile", "--kv-cache-gib", "inf"),
+    ("profile", "--threads", "-1"),
 ]
 
 
@@ -105,6 +114,7 @@ def test_every_benchmark_has_a_bad_value_case():
     (_argv("fuzz", "--valid", "0"), {"valid": 0, "malformed": 1000}),
     (_argv("serve", "--max-concurrency", "4"), {"max_concurrency": 4, "burstiness": 1.0, "num_warmups": 1}),
     (_argv("serve"), {"max_concurrency": None}),
+    (_argv("profile"), {"holdout": 0.2, "budgets": [128, 1024], "output": None, "threads": 0}),
 ])
 def test_good_values_and_defaults_parse(argv, expected):
     args = vars(_parser().parse_args(argv))
