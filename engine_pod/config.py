@@ -5,17 +5,21 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine_pod.attention.selector import check_backend_name
-from engine_pod.model.hf_config import ModelArchConfig, load_arch_config, parse_dtype
+from engine_pod.model.hf_config import ModelArchConfig, dtype_name, load_arch_config, parse_dtype
 from engine_pod.spec_decode.config import SpeculativeConfig
 from kv_store.block_hash import DEFAULT_BLOCK_SIZE
-from kv_store.codec import MIN_MAC_KEY_BYTES
+from kv_store.mac_key import check_mac_key
 from kv_store.redis_tier import DEFAULT_KEY_PREFIX, RedisTierConfig
 from tessera.context_length import resolve_max_model_len
 from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, InternalSecret
+
+if TYPE_CHECKING:
+    # Imported where a device or dtype is resolved: a simulated engine
+    # (engine_pod/sim) is configured here too and never loads torch.
+    import torch
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -29,8 +33,9 @@ class ModelConfig:
     """The Hugging Face checkpoint folder (config.json, safetensors, tokenizer)."""
     arch: ModelArchConfig
     """The architecture read from config.json (layers, heads, vocabulary, RoPE)."""
-    dtype: torch.dtype
-    """The dtype the weights, activations and KV cache are computed in."""
+    dtype: torch.dtype | None
+    """The dtype the weights, activations and KV cache are computed in; None
+    in a simulated engine, which computes nothing."""
     max_model_len: int
     """Longest sequence (prompt plus output, in tokens) a request may reach."""
 
@@ -127,9 +132,7 @@ class KVStoreConfig:
             raise ValueError(f"kv_host_bytes must be an integer >= 0, got {self.host_bytes!r}")
         if self.write_queue_size < 1:
             raise ValueError(f"kv_write_queue_size must be >= 1, got {self.write_queue_size}")
-        key = self.mac_key
-        if key is not None and (not isinstance(key, bytes) or len(key) < MIN_MAC_KEY_BYTES):
-            raise ValueError(f"kv_mac_key must be bytes, at least {MIN_MAC_KEY_BYTES} of them")
+        check_mac_key(self.mac_key)
         if self.redis_url is not None:
             self.redis_tier_config()  # validates
             if self.mac_key is None:
@@ -197,8 +200,9 @@ class EngineConfig:
     """The paged KV cache."""
     scheduler: SchedulerConfig
     """The scheduler's budget and limits."""
-    device: torch.device
-    """Where the model runs (cpu or cuda)."""
+    device: torch.device | None
+    """Where the model runs (cpu or cuda); None: a simulated engine, whose
+    forward is a step-time model (engine_pod/sim)."""
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
     """The tiered KV store (host memory, Redis); off by default."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -210,8 +214,15 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     """Speculative decoding; None: none."""
 
+    @property
+    def simulated(self) -> bool:
+        """No model runs: the executor models step times (engine_pod/sim)."""
+        return self.device is None
+
 
 def _resolve_device(device: str | None) -> torch.device:
+    import torch
+
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -234,15 +245,45 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def _resolve_dtype(dtype: str | torch.dtype, arch: ModelArchConfig, device: torch.device) -> torch.dtype:
+    import torch
+
     if dtype != "auto":
         return parse_dtype(dtype)
-    ckpt = arch.checkpoint_dtype or torch.float32
+    ckpt = parse_dtype(arch.checkpoint_dtype or "float32")
     if device.type == "cpu":
         # A bf16 checkpoint runs in bf16 where the CPU has bf16 arithmetic
         # (2.5x the float32 GEMM rate here); otherwise half precision is
         # emulated and slow, so compute in float32.
         return torch.bfloat16 if ckpt == torch.bfloat16 and cpu_has_fast_bf16() else torch.float32
     return torch.bfloat16 if ckpt == torch.float32 else ckpt
+
+
+def _check_device_count(device: torch.device, tensor_parallel_size: int) -> None:
+    import torch
+
+    if device.type == "cuda" and tensor_parallel_size > torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs as many CUDA devices; "
+            f"{torch.cuda.device_count()} visible"
+        )
+
+
+def _check_simulable(dtype, device: str | None, parallel: ParallelConfig, speculative: SpeculativeConfig | None,
+                     kv_host_bytes: int, kv_redis_url: str | None) -> None:
+    """What a simulated engine does not model is refused, not silently ignored."""
+    if dtype != "auto":
+        dtype_name(dtype)  # a bad name is still named as such
+        raise ValueError("dtype: a simulated engine computes in no dtype (its KV pool is sized in the checkpoint's "
+                         "stored dtype, or set num_gpu_blocks); leave dtype at 'auto'")
+    if device not in (None, "auto"):
+        raise ValueError(f"device: a simulated engine runs on no device, got {device!r}")
+    if parallel.tensor_parallel_size != 1:
+        raise ValueError("tensor_parallel_size: a simulated engine is one process; its profile models the "
+                         "step times of whatever parallelism it was fitted on")
+    if speculative is not None:
+        raise ValueError("speculative_config: a simulated engine does not model speculative decoding")
+    if kv_host_bytes or kv_redis_url is not None:
+        raise ValueError("kv_host_bytes / kv_redis_url: a simulated engine has no KV store yet")
 
 
 def _kv_mac_key_from_env() -> bytes | None:
@@ -281,18 +322,22 @@ def create_engine_config(
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size,
     worker_threads: int | None = ParallelConfig.worker_threads,
     speculative_config: SpeculativeConfig | dict | str | None = EngineConfig.speculative,
+    simulate: bool = False,
 ) -> EngineConfig:
+    """``simulate``: configure a simulated engine (no device, no dtype, no
+    torch), whose executor models step times (engine_pod/sim)."""
     path = Path(model)
     speculative = SpeculativeConfig.parse(speculative_config)
     parallel = ParallelConfig(tensor_parallel_size, worker_threads)
     arch = load_arch_config(path)
     parallel.validate_for(arch)
-    dev = _resolve_device(device)
-    if dev.type == "cuda" and tensor_parallel_size > torch.cuda.device_count():
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} needs as many CUDA devices; "
-            f"{torch.cuda.device_count()} visible"
-        )
+    if simulate:
+        _check_simulable(dtype, device, parallel, speculative, kv_host_bytes, kv_redis_url)
+        dev, model_dtype = None, None
+    else:
+        dev = _resolve_device(device)
+        _check_device_count(dev, tensor_parallel_size)
+        model_dtype = _resolve_dtype(dtype, arch, dev)
     if kv_redis_url is not None and kv_mac_key is None:
         kv_mac_key = _kv_mac_key_from_env()
     kv_store = KVStoreConfig(kv_host_bytes, kv_redis_url, kv_redis_ttl, kv_redis_cluster, kv_write_queue_size,
@@ -313,7 +358,7 @@ def create_engine_config(
     # The gateway derives its context limit with the same function (tessera/context_length.py).
     model_len = resolve_max_model_len(max_model_len, arch.raw)
     return EngineConfig(
-        model=ModelConfig(path, arch, _resolve_dtype(dtype, arch, dev), model_len),
+        model=ModelConfig(path, arch, model_dtype, model_len),
         cache=CacheConfig(
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from engine_pod.config import EngineConfig
 from engine_pod.sampling_params import SamplingParams
-from engine_pod.structured_output.backend_xgrammar import validate as validate_structured_outputs
 from tessera.text import encode_prompt
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # A prompt is text, or vLLM's token form {"prompt_token_ids": [...]}.
 PromptType = str | dict[str, Any]
@@ -64,10 +64,23 @@ class Processor:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: {bad} are outside the vocabulary [0, {self.vocab_size})")
-        if params.structured_outputs is not None:
+        if self.config.simulated:
+            _check_simulable(params)
+        elif params.structured_outputs is not None:
             # A malformed schema, regex or grammar is refused here, not found
-            # later by a compile thread.
+            # later by a compile thread (xgrammar, imported only by engines that compile).
+            from engine_pod.structured_output.backend_xgrammar import validate as validate_structured_outputs
+
             validate_structured_outputs(params.structured_outputs)
         params = replace(params)  # never mutate the caller's object
         params.resolve_stop_token_ids(self.eos_token_ids)
         return params
+
+
+def _check_simulable(params: SamplingParams) -> None:
+    """A simulated engine (engine_pod/sim) emits deterministic token ids and
+    computes no probabilities: what it cannot honour is refused, not faked."""
+    if params.structured_outputs is not None:
+        raise ValueError("structured_outputs: a simulated engine runs no grammars")
+    if params.logprobs is not None:
+        raise ValueError("logprobs: a simulated engine computes no probabilities")

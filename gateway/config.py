@@ -19,9 +19,14 @@ from kv_store.block_hash import DEFAULT_BLOCK_SIZE
 from tessera.internal_channel import InternalTLS
 from tessera.roles import POD_ROLES
 
-# "score": KV-aware scoring (gateway/router.py); "round_robin": a baseline
-# that ignores prefixes and load, for benchmarks and A/B comparisons.
-ROUTER_POLICIES = ("score", "round_robin")
+# "score": KV-aware scoring of every pod (gateway/router.py); "bounded": the
+# same scoring of a few candidates, so its cost does not grow with the fleet;
+# "round_robin": a baseline that ignores prefixes and load, for benchmarks
+# and A/B comparisons.
+ROUTER_POLICIES = ("score", "bounded", "round_robin")
+# Each affinity candidate covers one more doubling of a prompt (the ladder
+# of gateway/router.py): 16 reach a 65536-fold growth, far past any context.
+MAX_AFFINITY_CANDIDATES = 16
 
 
 class GatewayConfigError(ValueError):
@@ -75,9 +80,21 @@ class KubernetesDiscovery:
 
 
 @dataclass(frozen=True)
+class FileDiscovery:
+    # A YAML file mapping each role to its pods' host:port addresses, read
+    # again whenever it changes (gateway/pods/discovery.py): pools that grow
+    # and shrink outside Kubernetes (a fleet benchmark, a static deployment
+    # edited in place).
+    path: str
+    # Seconds between looks at the file's modification time and size.
+    poll_interval_s: float = 0.5
+
+
+@dataclass(frozen=True)
 class PodsConfig:
     static: tuple[StaticPod, ...] = ()
     kubernetes: KubernetesDiscovery | None = None
+    file: FileDiscovery | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +104,11 @@ class AdmissionConfig:
     max_kv_usage: float = 0.95
     max_queue_len: int = 1024
     queue_timeout_s: float = 60.0
+    # With no engine pod routable (a pool scaled to zero, pods starting or all
+    # gone), queue requests as at full capacity (within max_queue_len and
+    # queue_timeout_s) instead of answering 503 at once: the queue length is
+    # the demand the operator's autoscaler lifts a pool from zero on.
+    queue_without_pods: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,6 +141,18 @@ class RouterConfig:
     # (retried elsewhere if nothing was streamed yet): a backstop behind the
     # load reports. Generous, since a long prefill on CPU says nothing until done.
     stream_idle_timeout_s: float = 120.0
+    # policy "bounded" only: pods asked for their prefix per request, at most
+    # affinity_candidates + load_candidates whatever the fleet size. Affinity:
+    # the rendezvous owners of the prompt's block ladder, where its prefix is
+    # likely cached; load: the least loaded other pods by their pushed reports.
+    affinity_candidates: int = 2
+    load_candidates: int = 2
+    # bounded: score added to the affinity candidates, so a prefix no pod
+    # holds yet goes to its owner unless the owner carries that much more load
+    # (0.1: about 1.6 more waiting requests, or 16 more running). Without it a
+    # load report one request stale sends a new prefix to a load candidate,
+    # which the prompt's next request does not ask: a miss.
+    affinity_bonus: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -165,8 +199,10 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         _check(self.model.block_size > 0, "model.block_size must be > 0")
         _check(self.model.max_model_len is None or self.model.max_model_len > 0, "model.max_model_len must be > 0")
-        _check(bool(self.pods.static) or self.pods.kubernetes is not None,
-               "pods: give a static list or kubernetes discovery")
+        sources = [bool(self.pods.static), self.pods.kubernetes is not None, self.pods.file is not None]
+        _check(sum(sources) == 1, "pods: give one of a static list, kubernetes discovery or a file")
+        if self.pods.file is not None:
+            _check(self.pods.file.poll_interval_s > 0, "pods.file.poll_interval_s must be > 0")
         for pod in self.pods.static:
             _check(pod.role in POD_ROLES, f"pods.static: role {pod.role!r} is not one of {POD_ROLES}")
             _check(":" in pod.address, f"pods.static: address {pod.address!r} is not host:port")
@@ -189,6 +225,12 @@ class GatewayConfig:
                "router.load_timeout_s must be >= 2 x router.load_interval_ms")
         _check(self.router.stream_idle_timeout_s > 0, "router.stream_idle_timeout_s must be > 0")
         _check(self.router.reprobe_interval_s > 0, "router.reprobe_interval_s must be > 0")
+        _check(0 <= self.router.affinity_candidates <= MAX_AFFINITY_CANDIDATES,
+               f"router.affinity_candidates must be in [0, {MAX_AFFINITY_CANDIDATES}]")
+        _check(self.router.load_candidates >= 0, "router.load_candidates must be >= 0")
+        _check(self.router.affinity_bonus >= 0, "router.affinity_bonus must be >= 0")
+        _check(self.router.affinity_candidates + self.router.load_candidates >= 1,
+               "router.affinity_candidates + router.load_candidates must be >= 1")
         _check(self.disaggregation.min_uncached_tokens >= 0, "disaggregation.min_uncached_tokens must be >= 0")
         _check(isinstance(self.internal, InternalConfig), "internal: expected a mapping (secret_file, tls)")
 
@@ -221,6 +263,7 @@ _NESTED = {
     "ModelConfig": ModelConfig, "ServerConfig": ServerConfig, "PodsConfig": PodsConfig,
     "AdmissionConfig": AdmissionConfig, "RouterConfig": RouterConfig, "RouterWeights": RouterWeights,
     "DisaggregationConfig": DisaggregationConfig, "InternalConfig": InternalConfig, "InternalTLS": InternalTLS,
+    "KubernetesDiscovery": KubernetesDiscovery, "FileDiscovery": FileDiscovery,
 }
 
 
@@ -230,8 +273,6 @@ def _convert(type_name: str, value: Any, where: str) -> Any:
         return None
     if base in _NESTED:
         return _build(_NESTED[base], value, where)
-    if base == "KubernetesDiscovery":
-        return _build(KubernetesDiscovery, value, where)
     if base == "tuple[StaticPod, ...]":
         return tuple(_build(StaticPod, item, f"{where}[{i}]") for i, item in enumerate(_as_list(value, where)))
     if base == "tuple[PriorityClassConfig, ...]":

@@ -20,7 +20,14 @@ logger = logging.getLogger(__name__)
 # The engine refused the request itself: retrying elsewhere cannot help.
 _CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                   grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS}
+# Attempts that reached a pod and failed there (a stall, an internal error):
+# the pod may have spent time on the request, and a third try rarely helps.
 MAX_ATTEMPTS = 2
+# Attempts a pod refused or never took (UNAVAILABLE before any response: the
+# pod is down or draining). The request did not run, so trying further costs
+# little; this many lets it get past a whole failed node of pods whose
+# ejection has not reached the plan yet.
+MAX_REFUSED_ATTEMPTS = 8
 
 
 def _engine_error(e: grpc.aio.AioRpcError) -> GatewayError:
@@ -29,16 +36,33 @@ def _engine_error(e: grpc.aio.AioRpcError) -> GatewayError:
     return unavailable(f"engine pod failed: {e.code().name}: {e.details()}", "engine_unavailable")
 
 
-def _still_routable(candidates: list[Pod]) -> Iterator[Pod]:
-    """Up to MAX_ATTEMPTS candidates, each checked when its turn comes: one
-    ejected since the plan was made (a retry after a stall, a decode after
-    its prefill) is skipped, since a stalled pod would not answer."""
-    tried = 0
+class _AttemptBudget:
+    """Which failures end the retries: MAX_ATTEMPTS failures at a pod, or
+    MAX_REFUSED_ATTEMPTS refusals."""
+
+    def __init__(self) -> None:
+        self.failed = 0
+        self.refused = 0
+
+    def spend(self, refused: bool) -> None:
+        if refused:
+            self.refused += 1
+        else:
+            self.failed += 1
+
+    @property
+    def left(self) -> bool:
+        return self.failed < MAX_ATTEMPTS and self.refused < MAX_REFUSED_ATTEMPTS
+
+
+def _still_routable(candidates: list[Pod], budget: _AttemptBudget) -> Iterator[Pod]:
+    """Candidates while the budget lasts, each checked when its turn comes:
+    one ejected since the plan was made (a retry after a stall, a decode
+    after its prefill, a pod of a node that just died) is skipped."""
     for pod in candidates:
-        if tried == MAX_ATTEMPTS:
+        if not budget.left:
             return
         if pod.routable:
-            tried += 1
             yield pod
 
 
@@ -47,15 +71,16 @@ async def stream_choice(
     on_attempt: Callable[[Pod, int], None],
 ) -> AsyncIterator[epb.GenerateResponse]:
     """Responses of one engine request. A pod that fails before its first
-    response is ejected and the request goes to the next candidate (once);
+    response is ejected and the request goes to the next candidate (see
+    _AttemptBudget for how many);
     after the first response a failure raises StreamBroken. Each response
     must come within `router.stream_idle_timeout_s`, and the pool ends the
     call at once if the pod stalls (gateway/pods/deadline.py): the same
     failure, retried or StreamBroken. Cancelling the consumer cancels the
     call, which aborts the request on the pod."""
     last_error: GatewayError | None = None
-    tries = min(MAX_ATTEMPTS, len(candidates))
-    for attempt, pod in enumerate(_still_routable(candidates)):
+    budget = _AttemptBudget()
+    for attempt, pod in enumerate(_still_routable(candidates, budget)):
         on_attempt(pod, attempt)
         started = False
         call = span = None
@@ -78,8 +103,9 @@ async def stream_choice(
             last_error = unavailable(str(e), "engine_stalled")
             if started:
                 raise StreamBroken(last_error.message) from None
+            budget.spend(refused=False)
             logger.warning("request %s: %s made no progress before its first token (%s); %s", request.request_id,
-                           pod.address, e, "retrying" if attempt + 1 < tries else "giving up")
+                           pod.address, e, "retrying" if budget.left else "giving up")
         except grpc.aio.AioRpcError as e:
             last_error = _engine_error(e)
             if e.code() in _CLIENT_ERRORS:
@@ -88,8 +114,9 @@ async def stream_choice(
                 raise StreamBroken(last_error.message) from None
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
                 pool.eject(pod, f"generate: {e.code().name}")
+            budget.spend(refused=e.code() == grpc.StatusCode.UNAVAILABLE)
             logger.warning("request %s: %s failed before its first token (%s); %s", request.request_id,
-                           pod.address, e.code().name, "retrying" if attempt + 1 < tries else "giving up")
+                           pod.address, e.code().name, "retrying" if budget.left else "giving up")
         finally:
             pod.calls.discard(deadline)
             # The consumer may stop early (a stop string, a disconnect): the

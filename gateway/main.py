@@ -27,7 +27,7 @@ from gateway.grpc_service import InferenceService
 from gateway.grpc_service import add_to_server as add_inference_service
 from gateway.model import ServedModel
 from gateway.openai_api.server import build_app
-from gateway.pods.discovery import EndpointSliceWatcher, static_members
+from gateway.pods.discovery import EndpointSliceWatcher, FileWatcher, static_members
 from gateway.priority import PriorityClasses
 from gateway.serving import Gateway
 from gateway.tenants import TenantRegistry
@@ -89,9 +89,12 @@ async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
     metrics_server = _serve_metrics(config, gateway)
     for role, addresses in static_members(config.pods).items():
         gateway.pool.set_members(role, addresses)
-    watcher = None
+    watcher: EndpointSliceWatcher | FileWatcher | None = None
     if config.pods.kubernetes is not None:
         watcher = EndpointSliceWatcher(config.pods.kubernetes, gateway.pool, asyncio.get_running_loop())
+    elif config.pods.file is not None:
+        watcher = FileWatcher(config.pods.file, gateway.pool)
+    if watcher is not None:
         watcher.start()
 
     grpc_server = grpc.aio.server()
@@ -154,10 +157,10 @@ class _HttpServer(uvicorn.Server):
 
 
 async def _track_health(gateway: Gateway, servicer) -> None:
-    """SERVING while some engine pod takes requests."""
+    """SERVING while the gateway takes requests (Gateway.ready)."""
     last = None
     while True:
-        status = (health_pb2.HealthCheckResponse.SERVING if gateway.pool.routable()
+        status = (health_pb2.HealthCheckResponse.SERVING if gateway.ready
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         if status != last:
             for name in ("", SERVICE_NAME):

@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+# How a router's prefix query (Engine.GetLoad) ended: gateway/router.py.
+PREFIX_QUERY_OUTCOMES = ("ok", "unavailable", "timeout", "error")
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,20 @@ class GatewayMetrics:
         self.prefix_hit_tokens = Counter("tessera:gateway_routed_prefix_hit_tokens",
                                          "Prompt tokens the chosen pod reported holding when routed", ["pod"],
                                          registry=r)
+        self.prefix_queries = Counter("tessera:gateway_prefix_queries", "Prefix-cache queries (Engine.GetLoad) the "
+                                      "router sent, by outcome (ok, unavailable, timeout, error)", ["outcome"],
+                                      registry=r)
+        # Looked up once (labels() costs more than the update); every outcome shows from the start, at 0.
+        self.prefix_query_outcomes = {o: self.prefix_queries.labels(o) for o in PREFIX_QUERY_OUTCOMES}
         self.retries = Counter("tessera:gateway_retries", "Engine calls retried on another pod before the first token",
                                registry=r)
+        # What the gateway itself adds before a request's first token reaches
+        # an engine: sub-millisecond buckets, the router's cost is the point.
+        self.dispatch = Histogram(
+            "tessera:gateway_dispatch_seconds",
+            "Arrival at the gateway to its first engine call sent, less the wait in the admission queue "
+            "(checks, tokenizing, routing with its prefix queries)",
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0), registry=r)
         self.queue_length = Gauge("tessera:gateway_queue_length", "Requests waiting in the admission queue",
                                   ["priority_class"], registry=r)
         self.pods_routable = Gauge("tessera:gateway_pods_routable", "Engine pods taking requests", ["role"],

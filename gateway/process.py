@@ -13,11 +13,12 @@ import yaml
 from tessera.child_process import ChildProcess, free_port
 
 
-def gateway_health(base_url: str) -> dict | None:
+def gateway_health(base_url: str, path: str = "/health") -> dict | None:
     """A gateway's /health answer ({"pods": N, ...}); None if it does not
-    answer or answers 503 (no engine pod routable)."""
+    answer or answers 503 (no engine pod routable). ``path`` /health/ready:
+    whether it takes requests (queued ones too, at zero pods)."""
     try:
-        with urllib.request.urlopen(base_url + "/health", timeout=1) as r:
+        with urllib.request.urlopen(base_url + path, timeout=1) as r:
             return json.loads(r.read())
     except (urllib.error.URLError, OSError, ValueError):
         return None
@@ -46,11 +47,13 @@ class GatewayProcess(ChildProcess):
         return gateway_health(self.base_url)
 
     def wait_ready(self, num_pods: int = 1, timeout: float = 60.0) -> None:
-        """Until the gateway answers and routes to at least `num_pods` pods."""
+        """Until the gateway answers and routes to at least `num_pods` pods
+        (0: until it takes requests, which with admission.queue_without_pods
+        it does with no pod at all)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive("gateway")
-            h = self.health()
+            h = self.health() if num_pods else gateway_health(self.base_url, "/health/ready")
             if h and h.get("pods", 0) >= num_pods:
                 return
             time.sleep(0.1)

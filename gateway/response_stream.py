@@ -48,6 +48,7 @@ class ResponseStream:
         self.max_tokens = max_tokens
         self.ticket = ticket
         self.arrival = arrival
+        self._dispatched = False  # the first engine call is sent (tessera:gateway_dispatch_seconds)
         self.endpoint = endpoint
         self.created = int(time.time())
         self.choices = [ChoiceState(i, gateway.model.tokenizer, prompt_ids, req.options)
@@ -113,6 +114,10 @@ class ResponseStream:
 
     def _on_attempt(self, kind: str):
         def record(pod: Pod, attempt: int) -> None:
+            if not self._dispatched:
+                self._dispatched = True
+                added = time.monotonic() - self.arrival - self.ticket.queue_wait_s
+                self.gateway.metrics.dispatch.observe(max(0.0, added))
             pod.dispatched_since_report += 1
             self.gateway.metrics.routing.labels(pod.address, pod.role, "retry" if attempt else kind).inc()
             if attempt:

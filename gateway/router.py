@@ -1,4 +1,6 @@
-"""KV-aware routing: score every routable pod, best first.
+"""KV-aware routing: rank the routable pods of a role, best first.
+
+Three policies (`router.policy`); `score` and `bounded` rank with one formula:
 
     score(pod) =   w_prefix  * cached_fraction
                  - w_waiting * (waiting + dispatched_since_report) / max_waiting_per_pod
@@ -8,31 +10,86 @@
 
 `cached_fraction` is the share of the prompt's tokens in the pod's prefix
 cache: the leading blocks of the prompt's chained hashes (computed with the
-tenant's salt by `kv_store.block_hash`) that the pod itself reports holding.
-Asking the pods instead of remembering where requests went lets several
-gateway replicas run active-active without shared state. `tie_break` is a
-rendezvous hash of the prompt's first block and the pod address, below
-1e-6: prompts sharing a prefix that no pod holds yet still agree on a pod.
-docs/gateway.md explains the weights.
+tenant's salt by `kv_store.block_hash`) that the pod itself reports holding
+(one Engine.GetLoad per pod asked: `Router._matched_blocks`). Asking the pods
+instead of remembering where requests went lets several gateway replicas run
+active-active without shared state. `tie_break` is a rendezvous hash of the
+prompt's first block and the pod address, below 1e-6: prompts sharing a
+prefix that no pod holds yet still agree on a pod. docs/gateway.md explains
+the weights.
 
-With `router.policy: round_robin` the router skips all of this (no prefix
-queries) and rotates through the routable pods: the baseline the routing
-benchmark compares the scorer against.
+`score` (the default) asks every routable pod: one RPC per pod per request.
+
+`round_robin` skips all of this (no prefix queries) and rotates through the
+routable pods: the baseline the routing benchmark compares the scorer against.
+
+`bounded` asks at most `affinity_candidates + load_candidates` pods, whatever
+the fleet size, chosen without any state a replica would have to share:
+
+- Affinity candidates: where the prompt's prefix is likely cached. The hash
+  at depth d of a chained list names the whole prefix up to block d, so its
+  rendezvous (highest-random-weight) owner among the routable addresses is a
+  pure function of that prefix and the set of pods: every replica computes
+  the same owner, and a pod joining or leaving moves only the prefixes it
+  wins or owned. The depths looked at form a ladder, 1, 2, 4, 8, ... up to
+  the prompt's length, walked deepest first; each depth adds its owner
+  unless already chosen, until `affinity_candidates` pods are chosen.
+  Powers of two, and not the prompt's last full block: a prompt that
+  extends this one (the next turn of a conversation) has every depth of
+  this ladder on its own, so it looks where this prompt went. The last full
+  block of a turn is, but for luck, on no ladder of the next turn: a
+  conversation placed by it would be lost at its next turn.
+- Placement: every affinity candidate's score gets `affinity_bonus`, so
+  among candidates holding the same prefix (none yet, for a new
+  conversation) an owner wins unless it carries that much more load: a load
+  report a request stale must not send a new prefix to a load candidate,
+  which the prompt's next request would not ask. Among the owners, the one
+  of the deepest ladder depth wins (`_affinity_tie`), then the next depth
+  up. Deepest, because the first block is a
+  tenant's shared system prompt: its owner would take all of the tenant's
+  conversations, while deep prefixes are one conversation's own and spread
+  over the fleet; and because the next turn's ladder has that depth too.
+- Multi-turn: a conversation placed at the owner of depth D stays a
+  candidate while its prompt's deepest ladder depth is below
+  D * 2**affinity_candidates (one of the first `affinity_candidates` steps
+  down the ladder; repeated owners reach further). A holder of the prefix
+  outscores the others, so the conversation stays put; once its prompt
+  outgrows that, its pod drops out, the tie places it at the owner of the
+  new deepest depth, and it stays there for the next 2**affinity_candidates-
+  fold growth. The prompts prefilled again at these moves grow
+  geometrically, so over a conversation they add up to a small multiple of
+  its final prompt, where landing anywhere costs a full prefill per turn.
+- Load candidates: the `load_candidates` least loaded other pods by their
+  pushed reports (waiting including this gateway's dispatched_since_report,
+  then running, then KV usage; the rendezvous tie-break last): when the
+  affinity candidates are busy, an idle pod can still win on score, as under
+  `score`. Reports reach all replicas alike, but each replica counts only its
+  own dispatches, so replicas may differ here; they agree on where a prefix
+  lives, the part that needs agreement. A prompt shorter than a block has
+  load candidates only, and nothing to ask: no RPC at all.
+- The candidates come first, best first; a candidate ejected by its query
+  (UNAVAILABLE) is left out. The other routable pods follow, ranked by their
+  pushed load alone (no RPC): the fallbacks of the retry and failover code.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
 from dataclasses import dataclass
 
 import grpc
 
 from gateway.config import AdmissionConfig, RouterConfig
+from gateway.metrics import GatewayMetrics
 from gateway.pods import Pod, PodPool
 from tessera.v1 import engine_pb2 as epb
 
 _TIE_BREAK_SCALE = 1e-6
+
+# A failed prefix query's outcome label on tessera:gateway_prefix_queries.
+_QUERY_OUTCOMES = {grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout"}
 
 
 @dataclass(frozen=True)
@@ -59,17 +116,68 @@ def score_pod(cached_fraction: float, load: PodLoad, config: RouterConfig, max_w
     )
 
 
-def tie_break(key: bytes, address: str) -> float:
+def rendezvous_weight(key: bytes, address: str) -> int:
+    """The pod's 64-bit weight for `key` in rendezvous hashing: the key's
+    owner is the pod of highest weight."""
     digest = hashlib.sha256(key + address.encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 * _TIE_BREAK_SCALE
+    return int.from_bytes(digest[:8], "big")
+
+
+def tie_break(key: bytes, address: str) -> float:
+    return rendezvous_weight(key, address) / 2**64 * _TIE_BREAK_SCALE
+
+
+def _affinity_tie(position: int, count: int) -> float:
+    """The tie-break of the affinity candidate at `position` (0: the deepest
+    depth's owner) of `count`: above every rendezvous tie-break, so on a tie
+    it beats the load candidates, and deeper beats shallower."""
+    return (1 + count - position) * _TIE_BREAK_SCALE
+
+
+def ladder_depths(num_blocks: int) -> list[int]:
+    """The depths 1, 2, 4, 8, ... up to `num_blocks`, deepest first."""
+    if num_blocks < 1:
+        return []
+    return [1 << i for i in range(num_blocks.bit_length() - 1, -1, -1)]
+
+
+def owner(key: bytes, pods: list[Pod]) -> Pod:
+    """The pod that rendezvous hashing gives `key` (the address breaks a
+    64-bit collision, so the pool's order never matters)."""
+    return max(pods, key=lambda p: (rendezvous_weight(key, p.address), p.address))
+
+
+def affinity_candidates(block_hashes: list[bytes], pods: list[Pod], limit: int) -> list[Pod]:
+    """The owners of the prompt's ladder depths, deepest first, each once,
+    at most `limit`."""
+    chosen: dict[str, Pod] = {}
+    for depth in ladder_depths(len(block_hashes)):
+        if len(chosen) >= limit:
+            break
+        pod = owner(block_hashes[depth - 1], pods)
+        chosen.setdefault(pod.address, pod)
+    return list(chosen.values())
+
+
+def least_loaded(pods: list[Pod], count: int, ties: dict[str, float]) -> list[Pod]:
+    """The `count` pods with the least pushed load, least first; `ties`:
+    each pod's tie-break for this request."""
+    return heapq.nsmallest(count, pods, key=lambda p: (
+        p.waiting(), p.load.num_running, p.load.kv_cache_usage, -ties[p.address], p.address))
+
+
+def _best_first(scored: list[ScoredPod]) -> list[ScoredPod]:
+    return sorted(scored, key=lambda s: s.score, reverse=True)
 
 
 class Router:
-    def __init__(self, pool: PodPool, config: RouterConfig, admission: AdmissionConfig, block_size: int) -> None:
+    def __init__(self, pool: PodPool, config: RouterConfig, admission: AdmissionConfig, block_size: int,
+                 metrics: GatewayMetrics | None = None) -> None:
         self.pool = pool
         self.config = config
         self.max_waiting = admission.max_waiting_per_pod
         self.block_size = block_size
+        self._prefix_queries = (metrics or GatewayMetrics()).prefix_query_outcomes
         # Round robin: the next starting position, per role.
         self._turn: dict[str, int] = {}
 
@@ -81,20 +189,35 @@ class Router:
             return []
         if self.config.policy == "round_robin":
             return self._rotate(role, pods)
-        if block_hashes and len(pods) > 1:
-            matched = await asyncio.gather(*(self._matched_blocks(p, block_hashes) for p in pods))
-        elif block_hashes:
-            matched = [await self._matched_blocks(pods[0], block_hashes)]
-        else:
-            matched = [0] * len(pods)
-        scored = []
-        for pod, blocks in zip(pods, matched):
-            fraction = min(1.0, blocks * self.block_size / max(1, num_prompt_tokens))
-            load = PodLoad(pod.waiting(), pod.load.num_running, pod.load.kv_cache_usage)
-            score = score_pod(fraction, load, self.config, self.max_waiting) + tie_break(key, pod.address)
-            scored.append(ScoredPod(pod, score, blocks))
-        scored.sort(key=lambda s: s.score, reverse=True)
-        return scored
+        if self.config.policy == "bounded":
+            return await self._rank_bounded(pods, block_hashes, num_prompt_tokens, key)
+        matched = await self._query(pods, block_hashes)
+        return _best_first([self._scored(pod, blocks, num_prompt_tokens, tie_break(key, pod.address))
+                            for pod, blocks in zip(pods, matched)])
+
+    async def _rank_bounded(self, pods: list[Pod], block_hashes: list[bytes], num_prompt_tokens: int,
+                            key: bytes) -> list[ScoredPod]:
+        """The bounded policy (module docstring): ask the candidates only,
+        then append the others ranked by pushed load."""
+        affinity = affinity_candidates(block_hashes, pods, self.config.affinity_candidates)
+        chosen = {p.address for p in affinity}
+        ties = {p.address: tie_break(key, p.address) for p in pods}
+        load = least_loaded([p for p in pods if p.address not in chosen], self.config.load_candidates, ties)
+        candidates = affinity + load
+        bonus = self.config.affinity_bonus
+        candidate_ties = [bonus + _affinity_tie(i, len(affinity)) for i in range(len(affinity))]
+        candidate_ties += [ties[p.address] for p in load]
+        matched = await self._query(candidates, block_hashes)
+        ranked = [self._scored(pod, blocks, num_prompt_tokens, tie)
+                  for pod, blocks, tie in zip(candidates, matched, candidate_ties) if pod.routable]
+        chosen.update(p.address for p in load)
+        rest = [self._scored(pod, 0, num_prompt_tokens, ties[pod.address]) for pod in pods if pod.address not in chosen]
+        return _best_first(ranked) + _best_first(rest)
+
+    def _scored(self, pod: Pod, blocks: int, num_prompt_tokens: int, tie: float) -> ScoredPod:
+        fraction = min(1.0, blocks * self.block_size / max(1, num_prompt_tokens))
+        load = PodLoad(pod.waiting(), pod.load.num_running, pod.load.kv_cache_usage)
+        return ScoredPod(pod, score_pod(fraction, load, self.config, self.max_waiting) + tie, blocks)
 
     def _rotate(self, role: str, pods: list[Pod]) -> list[ScoredPod]:
         """The pods starting at this role's turn (the rest stay as retry
@@ -104,6 +227,15 @@ class Router:
         rotated = pods[turn:] + pods[:turn]
         return [ScoredPod(pod, -float(i), 0) for i, pod in enumerate(rotated)]
 
+    async def _query(self, pods: list[Pod], block_hashes: list[bytes]) -> list[int]:
+        """Each pod's matched leading blocks, asked concurrently; no RPC for
+        a prompt shorter than a block."""
+        if not block_hashes:
+            return [0] * len(pods)
+        if len(pods) == 1:
+            return [await self._matched_blocks(pods[0], block_hashes)]
+        return list(await asyncio.gather(*(self._matched_blocks(p, block_hashes) for p in pods)))
+
     async def _matched_blocks(self, pod: Pod, block_hashes: list[bytes]) -> int:
         """Leading blocks the pod holds, as it reports them; 0 if it does not
         answer in time (the load terms still use its pushed report)."""
@@ -111,7 +243,9 @@ class Router:
         try:
             report = await pod.stub.GetLoad(epb.LoadRequest(block_hashes=block_hashes), timeout=timeout)
         except grpc.aio.AioRpcError as e:
+            self._prefix_queries[_QUERY_OUTCOMES.get(e.code(), "error")].inc()
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self.pool.eject(pod, "prefix query: UNAVAILABLE")
             return 0
+        self._prefix_queries["ok"].inc()
         return report.matched_prefix_blocks

@@ -62,15 +62,28 @@ class Gateway:
         self.admission = AdmissionController(
             max_queue_len=config.admission.max_queue_len, queue_timeout_s=config.admission.queue_timeout_s
         )
-        self.router = Router(self.pool, config.router, config.admission, model.block_size)
-        self._queue_gauge_dirty = False
+        self.router = Router(self.pool, config.router, config.admission, model.block_size, self.metrics)
+        for pclass in self.classes:
+            # Read at each scrape, so a request counts from the moment it
+            # queues: the operator lifts a pool from zero on this demand.
+            self.metrics.queue_length.labels(pclass.name).set_function(
+                lambda name=pclass.name: self.admission.queue_len_by_class().get(name, 0))
+        self._on_pool_change()  # no pod has been seen yet: with queue_without_pods, requests queue
 
     def _on_pool_change(self) -> None:
-        # Until a pod has reported, capacity is unknown: do not hold requests back.
-        if any(p.load is not None for p in self.pool.pods.values()):
+        if self.config.admission.queue_without_pods and not self.pool.routable():
+            # Nothing to run on: every request queues until a pod is routable.
+            self.admission.set_capacity(0)
+        elif any(p.load is not None for p in self.pool.pods.values()):
+            # Until a pod has reported, capacity is unknown: do not hold requests back.
             self.admission.set_capacity(self.pool.free_slots())
         for role in POD_ROLES:
             self.metrics.pods_routable.labels(role).set(len(self.pool.routable(role)))
+
+    @property
+    def ready(self) -> bool:
+        """Takes requests now: a pod is routable, or requests queue until one is."""
+        return bool(self.pool.routable()) or self.config.admission.queue_without_pods
 
     async def close(self) -> None:
         await self.pool.close()
@@ -85,7 +98,7 @@ class Gateway:
         try:
             pclass, prompt_ids, max_tokens = self._validate(req, tenant)
             labels = (tenant.name, pclass.name)
-            if not self.pool.routable():
+            if not self.pool.routable() and not self.config.admission.queue_without_pods:
                 raise unavailable("no engine pod is serving; retry shortly", "no_engine_pod")
             ticket = await self._admit(tenant, pclass, len(prompt_ids), req.options.n * max_tokens)
         except GatewayError as e:
@@ -159,17 +172,6 @@ class Gateway:
                 if e.reason == "queue_timeout":
                     raise unavailable(e.message, e.reason, e.retry_after) from None
                 raise rate_limited(e.message, e.reason, e.retry_after) from None
-            finally:
-                if self.admission.queue_len or self._queue_gauge_dirty:
-                    self._update_queue_gauge()
-
-    def _update_queue_gauge(self) -> None:
-        # Skipped while the queue stays empty (the common case): one update
-        # after it drains sets the gauges back to 0.
-        self._queue_gauge_dirty = self.admission.queue_len > 0
-        by_class = self.admission.queue_len_by_class()
-        for pclass in self.classes:
-            self.metrics.queue_length.labels(pclass.name).set(by_class.get(pclass.name, 0))
 
     async def plan(self, prompt_ids: list[int], cache_salt: str, request_id: str) -> Plan:
         """Rank pods for the request; decide on P/D disaggregation."""

@@ -31,12 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from kv_store.mac_key import check_mac_key
+
 # Version 1 had a CRC32 and no MAC; its values are refused (reason "format").
 MAGIC = b"TKV2"
 FORMAT_VERSION = 2
 FINGERPRINT_BYTES = 16
 MAC_BYTES = 32
-MIN_MAC_KEY_BYTES = 16
 
 # Why a value was refused (a label of tessera:kv_store_rejected_values_total).
 REJECT_TRUNCATED = "truncated"  # shorter than its header, or its payload length is wrong
@@ -97,8 +98,7 @@ class BlockCodec:
             raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes")
         if layout.dtype not in _DTYPE_CODES:
             raise ValueError(f"dtype {layout.dtype} cannot be stored")
-        if mac_key is not None and (not isinstance(mac_key, bytes) or len(mac_key) < MIN_MAC_KEY_BYTES):
-            raise ValueError(f"kv_mac_key must be at least {MIN_MAC_KEY_BYTES} bytes")
+        check_mac_key(mac_key)
         self.layout = layout
         self._mac_key = mac_key
 

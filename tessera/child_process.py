@@ -21,6 +21,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_range(count: int, attempts: int = 200) -> int:
+    """The first of ``count`` consecutive ports free on loopback right now
+    (a host of simulated pods listens on consecutive ports)."""
+    import random
+
+    for _ in range(attempts):
+        first = random.randrange(20000, 60000 - count)
+        sockets = []
+        try:
+            for port in range(first, first + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports found on loopback")
+
+
 PARENT_PID_ENV = "TESSERA_PARENT_PID"
 
 

@@ -37,6 +37,8 @@ _E2E_PATHS = (
     "tests/engine_pod/test_tensor_parallel.py", "tests/engine_pod/test_tensor_parallel_faults.py",
     "tests/kv_store/test_engine_kv_store.py", "tests/gateway/test_disaggregation.py",
     "tests/gateway/test_failover.py", "tests/gateway/test_priority_saturation.py", "tests/gateway/test_tracing.py",
+    "tests/gateway/test_simulated_fleet.py", "tests/gateway/test_scale_from_zero.py",
+    "tests/gateway/test_file_discovery.py",
 )
 
 

@@ -1,6 +1,3 @@
-"""Attention backends over the paged KV cache."""
-
-from engine_pod.attention.abstract import AttentionBackend, AttentionMetadata
-from engine_pod.attention.selector import get_attention_backend
-
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]
+"""Attention backends over the paged KV cache (abstract.py: the interface;
+selector.py: choosing one). Nothing is imported here: config.py checks a
+backend's name through selector.py in engines that never load torch."""

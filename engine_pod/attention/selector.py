@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    # Only the chosen backend needs torch: a simulated engine checks the name alone.
+    import torch
 
-from engine_pod.attention.abstract import AttentionBackend
+    from engine_pod.attention.abstract import AttentionBackend
 
 logger = logging.getLogger(__name__)
 

@@ -10,12 +10,17 @@ host tier before they are overwritten.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from engine_pod.core.kv_cache_block import KVCacheBlock
 from engine_pod.core.scheduler_output import KVConnectorMetadata
 from engine_pod.request import Request
-from kv_store.tiered_store import TieredKVStore
+
+if TYPE_CHECKING:
+    # The scheduler imports this module; a simulated engine, without torch or a KV store, too.
+    import torch
+
+    from kv_store.tiered_store import TieredKVStore
 
 
 class KVConnectorScheduler:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from engine_pod.config import EngineConfig
 from engine_pod.core.kv_cache_manager import KVCacheManager
@@ -12,12 +13,13 @@ from engine_pod.core.kv_connector import KVConnectorScheduler
 from engine_pod.core.scheduler import Scheduler
 from engine_pod.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from engine_pod.core.stats import EngineTotals, SchedulerStats
-from engine_pod.engine.kv_store_factory import build_kv_store
 from engine_pod.executor import Executor, create_executor
 from engine_pod.request import Request, RequestStatus
-from engine_pod.structured_output.manager import StructuredOutputManager
 from kv_store.block_hash import BlockHash
 from tessera.text import load_eos_token_ids
+
+if TYPE_CHECKING:
+    from engine_pod.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -74,20 +76,29 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.kv_store = build_kv_store(config) if config.kv_store.enabled else None
+        self.kv_store = None
         connector = None
-        if self.kv_store is not None:
+        if config.kv_store.enabled:
+            from engine_pod.engine.kv_store_factory import build_kv_store  # torch: never in a simulated engine
+
+            self.kv_store = build_kv_store(config)
             if not config.cache.enable_prefix_caching:
                 raise ValueError("the KV store addresses blocks by their prefix hashes: it needs enable_prefix_caching")
             self.executor.attach_kv_store(self.kv_store)
             connector = KVConnectorScheduler(self.kv_store, block_size)
-        self.structured_output = StructuredOutputManager(
-            self.tokenizer_path, config.model.arch.vocab_size, load_eos_token_ids(config.model.path)
-        )
+        self.structured_output = None if config.simulated else self._grammar_manager(config)
         self.scheduler = Scheduler(config.scheduler, kv, connector, self.structured_output)
         self.totals = EngineTotals()
         self.last_stats = SchedulerStats()
         logger.info("engine core ready: %d KV blocks of %d tokens", num_blocks, block_size)
+
+    def _grammar_manager(self, config: EngineConfig) -> StructuredOutputManager:
+        # Imported here: grammars need xgrammar and torch; a simulated engine runs none.
+        from engine_pod.structured_output.manager import StructuredOutputManager
+
+        return StructuredOutputManager(
+            self.tokenizer_path, config.model.arch.vocab_size, load_eos_token_ids(config.model.path)
+        )
 
     @property
     def block_size(self) -> int:
@@ -134,6 +145,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-        self.structured_output.shutdown()
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
         if self.kv_store is not None:
             self.kv_store.close()

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from engine_pod.model.rotary import validate_rope_scaling
+from engine_pod.model.rope_config import validate_rope_scaling
 from tessera.context_length import max_position_embeddings, read_config, sliding_window
 
 # Architectures the engine implements, and how each differs from Llama.
@@ -19,24 +17,36 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True, "o_bias": False},
 }
 
+if TYPE_CHECKING:
+    import torch
+
+# Every dtype name accepted, and the canonical name (a torch.dtype attribute) it means.
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "double": torch.float64,
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "float64": "float64",
+    "double": "float64",
 }
 
+# Bytes per element of each canonical dtype.
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
+
+def dtype_name(name: str | torch.dtype) -> str:
+    """The canonical name of a dtype given by name (or as a torch.dtype); no torch needed."""
     try:
         return _DTYPES[str(name).removeprefix("torch.")]
     except KeyError:
         raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))} or 'auto', got {name!r}") from None
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    import torch  # here: reading a config needs no torch, only computing in a dtype does
+
+    return getattr(torch, dtype_name(name))
 
 
 @dataclass
@@ -77,8 +87,8 @@ class ModelArchConfig:
     """Whether the MLP projections carry biases."""
     sliding_window: int | None
     """Tokens each position attends back to, when the checkpoint uses a sliding window; else None."""
-    checkpoint_dtype: torch.dtype | None
-    """The dtype the weights are stored in (`torch_dtype`/`dtype`), when named."""
+    checkpoint_dtype: str | None
+    """The dtype the weights are stored in (`torch_dtype`/`dtype`), when named: its canonical name."""
     bos_token_id: int | None
     """The beginning-of-sequence token, when the checkpoint names one."""
     eos_token_ids: list[int] = field(default_factory=list)
@@ -127,7 +137,7 @@ def load_arch_config(model_path: str | Path) -> ModelArchConfig:
     attention_bias = bool(cfg.get("attention_bias", False))
     eos = cfg.get("eos_token_id")
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    dtype_name = cfg.get("torch_dtype") or cfg.get("dtype")
+    stored_dtype = cfg.get("torch_dtype") or cfg.get("dtype")
     return ModelArchConfig(
         architecture=arch,
         vocab_size=int(_require(cfg, "vocab_size", path)),
@@ -146,7 +156,7 @@ def load_arch_config(model_path: str | Path) -> ModelArchConfig:
         o_bias=overrides.get("o_bias", attention_bias),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         sliding_window=sliding_window(cfg),
-        checkpoint_dtype=parse_dtype(dtype_name) if dtype_name else None,
+        checkpoint_dtype=dtype_name(stored_dtype) if stored_dtype else None,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         raw=cfg,

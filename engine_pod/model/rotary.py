@@ -12,33 +12,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
-
-
-_REQUIRED_ROPE_FIELDS = {
-    "default": (),
-    "dynamic": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor",),
-}
-
-
-def rope_type_of(rope_scaling: dict[str, Any] | None) -> str:
-    if rope_scaling is None:
-        return "default"
-    return rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-
-
-def validate_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
-    """Reject unsupported or malformed rope scaling when the config is read."""
-    rope_type = rope_type_of(rope_scaling)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_scaling: rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
-    missing = [k for k in _REQUIRED_ROPE_FIELDS[rope_type] if not isinstance((rope_scaling or {}).get(k), (int, float))]
-    if missing:
-        raise ValueError(f"rope_scaling: {rope_type} rope needs numeric {missing}")
-
+from engine_pod.model.rope_config import rope_type_of, validate_rope_scaling
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim

@@ -13,45 +13,53 @@ Callers: every method but health needs the deployment's internal token
 (auth.py; the secret comes from TESSERA_INTERNAL_SECRET_FILE or
 TESSERA_INTERNAL_SECRET, never the command line), and with --tls-* flags a
 client certificate too. No secret, no pod, unless --no-internal-auth.
+
+Simulated pods (--simulate PROFILE): the same server, scheduler and KV cache
+manager, with the model forward replaced by a step-time model
+(executor/simulated.py); no torch is imported. One process can host many
+(--simulated-pods N, on consecutive ports), each with its own engine loop
+thread, sharing the one gRPC event loop.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import logging
 import signal
 import threading
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
-import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 from prometheus_client import start_http_server
 
-from engine_pod.config import create_engine_config
+from engine_pod.config import EngineConfig, create_engine_config
 from engine_pod.engine.engine_core import EngineCore
 from engine_pod.entrypoints.cli_args import add_engine_args, engine_kwargs
+from engine_pod.executor.abstract import Executor
+from engine_pod.executor.simulated import SimulatedExecutor
 from engine_pod.processor import Processor
 from engine_pod.request import Request
 from engine_pod.sampling_params import SamplingParams
 from engine_pod.server.async_engine import AsyncEngine, StreamEnd
 from engine_pod.server.auth import InternalAuthInterceptor, ServerTLS
-from engine_pod.server.grpc_service import EngineService
-from engine_pod.server.step_watchdog import watch_steps
 from engine_pod.server.cpu_share import cpu_share
+from engine_pod.server.frontend import Frontend, PodServer
+from engine_pod.server.grpc_service import EngineService
 from engine_pod.server.metrics import EngineMetrics, KVStoreCollector, StructuredOutputCollector
+from engine_pod.server.step_watchdog import watch_steps
+from engine_pod.sim.step_profile import StepTimeProfile
 from tessera.internal_secret import InternalSecret
 from tessera.roles import POD_ROLES
-from tessera.tracing import configure_tracing
 from tessera.text import load_eos_token_ids
-from tessera.v1 import engine_pb2, engine_pb2_grpc
+from tessera.text.torch_free import hide_torch_from_transformers
+from tessera.tracing import configure_tracing
 
 logger = logging.getLogger(__name__)
-
-SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 
 
 def add_parser(sub) -> None:
@@ -79,6 +87,12 @@ def add_parser(sub) -> None:
     p.add_argument("--health-port", type=int, default=0,
                    help="also serve grpc.health.v1 alone, in plaintext, on this port (kubelet probes "
                         "cannot speak TLS); 0: none")
+    p.add_argument("--simulate", default=None, metavar="PROFILE",
+                   help="run a simulated pod: the real scheduler and KV cache manager, the model forward replaced "
+                        "by this step-time profile (JSON, e.g. engine_pod/sim/profiles/bench-cpu.json); no torch")
+    p.add_argument("--simulated-pods", type=int, default=1,
+                   help="with --simulate: pods this process hosts, on consecutive ports from --grpc-port "
+                        "(and from --metrics-port and --health-port when set)")
     p.set_defaults(func=serve)
 
 
@@ -95,6 +109,18 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("step_timeout must be >= 0 (0: never)")
     if args.health_port and args.health_port == args.grpc_port:
         raise ValueError("health_port must differ from grpc_port")
+    n = args.simulated_pods
+    if n < 1 or (n > 1 and args.simulate is None):
+        raise ValueError(f"simulated_pods must be >= 1, and above 1 only with --simulate, got {n}")
+    ranges = {name: (port, port + n - 1) for name, port in
+              (("grpc_port", args.grpc_port), ("metrics_port", args.metrics_port), ("health_port", args.health_port))
+              if port}
+    for name, (first, last) in ranges.items():
+        if not 0 < first <= last <= 65535:
+            raise ValueError(f"{name}: ports {first}-{last} ({n} pods) do not fit in 1-65535")
+    for (a, (a0, a1)), (b, (b0, b1)) in itertools.combinations(ranges.items(), 2):
+        if a0 <= b1 and b0 <= a1:
+            raise ValueError(f"{a} {a0}-{a1} and {b} {b0}-{b1} overlap ({n} pods, one port of each per pod)")
 
 
 def _caller_auth(args: argparse.Namespace) -> list[grpc.aio.ServerInterceptor]:
@@ -106,97 +132,6 @@ def _caller_auth(args: argparse.Namespace) -> list[grpc.aio.ServerInterceptor]:
     secret = InternalSecret.require("engine pods serve only callers holding the deployment's internal secret",
                                     otherwise="pass --no-internal-auth for a pod nobody else can reach")
     return [InternalAuthInterceptor(secret)]
-
-
-# SO_REUSEPORT off: gRPC sets it by default, and a second engine started on
-# a taken port would then silently share it (and half the calls).
-_SERVER_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)]
-
-
-def _listen(server: grpc.aio.Server, address: str, flag: str, tls: grpc.ServerCredentials | None) -> None:
-    try:
-        if tls is None:
-            server.add_insecure_port(address)
-        else:
-            server.add_secure_port(address, tls)
-    except RuntimeError:
-        raise ValueError(f"{flag}: cannot listen on {address}: the port is taken (another engine pod?) "
-                         "or the host is not an address of this machine") from None
-
-
-class Frontend:
-    """The gRPC server and its asyncio loop, on their own thread."""
-
-    def __init__(self, service: EngineService, address: str, interceptors: list[grpc.aio.ServerInterceptor],
-                 tls: ServerTLS | None = None, health_address: str | None = None) -> None:
-        self.service = service
-        self.address = address
-        self.interceptors = interceptors
-        self.tls = tls
-        # A plaintext server of health alone, beside a TLS port (kubelet probes).
-        self.health_address = health_address
-        self.health_server: grpc.aio.Server | None = None
-        self.loop = asyncio.new_event_loop()
-        self._started = threading.Event()
-        self._start_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._thread_main, name="grpc-frontend", daemon=True)
-        self.server: grpc.aio.Server | None = None
-        self.health = health.aio.HealthServicer()
-        self.stop_requested: asyncio.Event | None = None
-
-    def start(self) -> None:
-        self._thread.start()
-        self._started.wait()
-        if self._start_error is not None:
-            raise self._start_error
-
-    def _thread_main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_until_complete(self._open())
-        except BaseException as e:  # noqa: BLE001 - reported to start()
-            self._start_error = e
-            self._started.set()
-            return
-        self._started.set()
-        self.loop.run_forever()
-
-    async def _open(self) -> None:
-        self.stop_requested = asyncio.Event()
-        server = grpc.aio.server(interceptors=self.interceptors, options=_SERVER_OPTIONS)
-        engine_pb2_grpc.add_EngineServicer_to_server(self.service, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        await self.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        _listen(server, self.address, "--grpc-port", self.tls.credentials() if self.tls else None)
-        if self.health_address is not None:
-            self.health_server = grpc.aio.server(options=_SERVER_OPTIONS)
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            _listen(self.health_server, self.health_address, "--health-port", None)
-            await self.health_server.start()
-        await server.start()
-        self.server = server
-
-    async def set_health(self, status) -> None:
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
-
-    def submit(self, coro: Coroutine):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def request_stop(self) -> None:
-        """Thread- and signal-safe: begin the drain."""
-        self.loop.call_soon_threadsafe(self.stop_requested.set)
-
-    def close(self) -> None:
-        async def _close():
-            for server in (self.server, self.health_server):
-                if server is not None:
-                    await server.stop(grace=1.0)
-        if self.loop.is_running():
-            self.submit(_close()).result(timeout=30)
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=30)
 
 
 async def _warm_up(engine: AsyncEngine, processor: Processor) -> None:
@@ -213,22 +148,21 @@ async def _warm_up(engine: AsyncEngine, processor: Processor) -> None:
             return
 
 
-async def _lifecycle(frontend: Frontend, engine: AsyncEngine, processor: Processor, metrics: EngineMetrics,
-                     banner: str, drain_timeout: float, step_timeout: float) -> None:
+async def _lifecycle(pod: _Pod, banner: str, drain_timeout: float, step_timeout: float) -> None:
     """On the frontend loop: warm up, serve until asked to stop, drain, stop the engine."""
-    service = frontend.service
+    service, server, engine = pod.service, pod.server, pod.engine
     watchdog = None
     try:
-        await _warm_up(engine, processor)
-        engine.on_step = metrics.on_step  # the warm-up stays out of the metrics
+        await _warm_up(engine, pod.processor)
+        engine.on_step = pod.metrics.on_step  # the warm-up stays out of the metrics
         service.serving = True
-        await frontend.set_health(health_pb2.HealthCheckResponse.SERVING)
+        await server.set_health(health_pb2.HealthCheckResponse.SERVING)
         print(banner, flush=True)
         if step_timeout:
-            watchdog = asyncio.create_task(watch_steps(engine, service, frontend.set_health, step_timeout))
-        await frontend.stop_requested.wait()
+            watchdog = asyncio.create_task(watch_steps(engine, service, server.set_health, step_timeout))
+        await server.stop_requested.wait()
         service.serving = False
-        await frontend.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         logger.info("draining %d in-flight requests (up to %.0fs)", engine.num_in_flight, drain_timeout)
         deadline = asyncio.get_running_loop().time() + drain_timeout
         while engine.num_in_flight and asyncio.get_running_loop().time() < deadline:
@@ -239,51 +173,123 @@ async def _lifecycle(frontend: Frontend, engine: AsyncEngine, processor: Process
         engine.stop()
 
 
+@dataclass
+class _Pod:
+    """One pod's parts; a host of simulated pods has many."""
+
+    service: EngineService
+    server: PodServer
+    processor: Processor
+    metrics: EngineMetrics
+    metrics_port: int
+    core: EngineCore | None = None
+    engine: AsyncEngine | None = None
+
+
+def _pods(args: argparse.Namespace, config: EngineConfig, model_name: str, interceptors, tls) -> list[_Pod]:
+    pods = []
+    for i in range(args.simulated_pods):
+        processor = Processor(config, tokenizer=None, eos_token_ids=load_eos_token_ids(config.model.path))
+        metrics = EngineMetrics(model_name)
+        service = EngineService(processor, metrics, args.role, args.max_waiting_requests)
+        health_address = f"{args.host}:{args.health_port + i}" if args.health_port else None
+        server = PodServer(service, f"{args.host}:{args.grpc_port + i}", interceptors, tls, health_address)
+        pods.append(_Pod(service, server, processor, metrics, args.metrics_port + i if args.metrics_port else 0))
+    return pods
+
+
+def _executor_factory(args: argparse.Namespace, config: EngineConfig) -> Callable[[], Executor | None]:
+    """What each pod's engine core runs steps on: the model (None: the
+    default executor) or, simulated, the profile's step-time model."""
+    if args.simulate is None:
+        import torch  # here: a simulated pod never loads it
+
+        if config.device.type == "cpu":
+            threads = args.cpu_threads or cpu_share()
+            torch.set_num_threads(threads)
+            # Under tensor parallelism the ranks compute and share the pod's CPUs.
+            config.parallel.worker_threads = max(1, threads // config.parallel.tensor_parallel_size)
+        return lambda: None
+    profile = StepTimeProfile.load(args.simulate)
+    return lambda: SimulatedExecutor(config, profile)
+
+
+def _start_pod(pod: _Pod, config: EngineConfig, executor: Executor | None, loop, model_name: str, host: str) -> None:
+    if pod.metrics_port:
+        try:
+            start_http_server(pod.metrics_port, addr=host, registry=pod.metrics.registry)
+        except OSError as e:
+            raise ValueError(f"--metrics-port: cannot listen on {host}:{pod.metrics_port}: "
+                             f"{e.strerror or e}") from None
+    pod.core = EngineCore(config, executor)
+    if pod.core.kv_store is not None:
+        pod.metrics.registry.register(KVStoreCollector(pod.core.kv_store, model_name))
+    if pod.core.structured_output is not None:
+        pod.metrics.registry.register(StructuredOutputCollector(pod.core.structured_output.stats, model_name))
+    pod.engine = AsyncEngine(pod.core, loop)
+    pod.service.attach(pod.engine)
+
+
+def _run_engines(pods: list[_Pod]) -> list[BaseException]:
+    """Every pod's engine loop until its lifecycle stops it: the first on
+    this (the main) thread, where torch's CPU kernels run fastest
+    (async_engine.py); a host of simulated pods runs the others on threads.
+    Returns the failures of the pods that failed."""
+    failures: list[BaseException] = []
+
+    def run(engine: AsyncEngine) -> None:
+        try:
+            engine.run()
+        except BaseException as e:  # noqa: BLE001 - this pod failed, its streams were told; the others serve on
+            failures.append(e)
+
+    threads = [threading.Thread(target=run, args=(pod.engine,), name=f"engine-{i}", daemon=True)
+               for i, pod in enumerate(pods[1:], start=1)]
+    for thread in threads:
+        thread.start()
+    pods[0].engine.run()  # a failure of the only (or first) pod ends the process, as before
+    for thread in threads:
+        thread.join()
+    return failures
+
+
 def serve(args: argparse.Namespace) -> int:
     _validate(args)
+    if args.simulate is not None:
+        # A simulated pod must stay torch-free (hundreds share one machine):
+        # any import of it from here on fails loudly instead of costing
+        # seconds and hundreds of MiB unnoticed.
+        hide_torch_from_transformers()
     interceptors = _caller_auth(args)
     tls = ServerTLS.from_flags(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
     if tls is not None:
         tls.credentials()  # unreadable files fail before the model loads
-    config = create_engine_config(args.model, **engine_kwargs(args))
-    if config.device.type == "cpu":
-        threads = args.cpu_threads or cpu_share()
-        torch.set_num_threads(threads)
-        # Under tensor parallelism the ranks compute and share the pod's CPUs.
-        config.parallel.worker_threads = max(1, threads // config.parallel.tensor_parallel_size)
+    config = create_engine_config(args.model, **engine_kwargs(args), simulate=args.simulate is not None)
+    new_executor = _executor_factory(args, config)
     model_name = args.served_model_name or config.model.path.name
-    processor = Processor(config, tokenizer=None, eos_token_ids=load_eos_token_ids(config.model.path))
-    metrics = EngineMetrics(model_name)
     configure_tracing("tessera-engine")
-    service = EngineService(processor, metrics, args.role, args.max_waiting_requests)
-    health_address = f"{args.host}:{args.health_port}" if args.health_port else None
-    frontend = Frontend(service, f"{args.host}:{args.grpc_port}", interceptors, tls, health_address)
+    pods = _pods(args, config, model_name, interceptors, tls)
+    frontend = Frontend([pod.server for pod in pods])
     frontend.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: frontend.request_stop())
     try:
-        if args.metrics_port:
-            try:
-                start_http_server(args.metrics_port, addr=args.host, registry=metrics.registry)
-            except OSError as e:
-                raise ValueError(f"--metrics-port: cannot listen on {args.host}:{args.metrics_port}: "
-                                 f"{e.strerror or e}") from None
-        core = EngineCore(config)
-        if core.kv_store is not None:
-            metrics.registry.register(KVStoreCollector(core.kv_store, model_name))
-        metrics.registry.register(StructuredOutputCollector(core.structured_output.stats, model_name))
-        engine = AsyncEngine(core, frontend.loop)
-        service.attach(engine)
+        for pod in pods:
+            _start_pod(pod, config, new_executor(), frontend.loop, model_name, args.host)
         auth = "off" if not interceptors else "token+mtls" if tls else "token"
-        banner = (f"tessera engine ready: role={args.role} grpc={frontend.address} auth={auth} "
-                  f"metrics=:{args.metrics_port} kv_blocks={core.num_blocks}")
-        lifecycle = frontend.submit(
-            _lifecycle(frontend, engine, processor, metrics, banner, args.drain_timeout, args.step_timeout)
-        )
-        engine.run()  # until the lifecycle stops it
-        lifecycle.result(timeout=30)
-        core.shutdown()
+        kind = " simulated" if config.simulated else ""
+        lifecycles = [frontend.submit(_lifecycle(
+            pod, f"tessera engine ready:{kind} role={args.role} grpc={pod.server.address} auth={auth} "
+                 f"metrics=:{pod.metrics_port} kv_blocks={pod.core.num_blocks}",
+            args.drain_timeout, args.step_timeout)) for pod in pods]
+        failures = _run_engines(pods)
+        for lifecycle in lifecycles:
+            lifecycle.result(timeout=30)
+        for pod in pods:
+            pod.core.shutdown()
     finally:
         frontend.close()
+    for failure in failures:
+        logger.error("a simulated pod's engine loop failed: %r", failure)
     print("tessera engine stopped", flush=True)
-    return 0
+    return 1 if failures else 0

@@ -157,6 +157,20 @@ def build_app(gateway: Gateway) -> FastAPI:
             return {"status": "ok", "pods": len(gateway.pool.routable())}
         return error_response(unavailable("no engine pod is serving", "no_engine_pod"))
 
+    # Kubernetes probes. Liveness: the process answers (no pod routable is
+    # no reason to restart the gateway). Readiness: it takes requests, which
+    # with admission.queue_without_pods it does at zero pods (they queue:
+    # the demand that scales a pool from zero).
+    @app.get("/health/live")
+    async def live():
+        return {"status": "ok"}
+
+    @app.get("/health/ready", responses=error_responses(503))
+    async def ready():
+        if gateway.ready:
+            return {"status": "ok", "pods": len(gateway.pool.routable())}
+        return error_response(unavailable("no engine pod is serving", "no_engine_pod"))
+
     app.include_router(v1)
     return app
 

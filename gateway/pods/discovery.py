@@ -1,5 +1,6 @@
-"""Where the engine pods are: a static list, or the EndpointSlices of the
-pools' Services in a cluster (kept current by a watch)."""
+"""Where the engine pods are: a static list, the EndpointSlices of the
+pools' Services in a cluster (kept current by a watch), or a file of
+addresses read again whenever it changes."""
 
 from __future__ import annotations
 
@@ -7,8 +8,14 @@ import asyncio
 import logging
 import threading
 
-from gateway.config import KubernetesDiscovery, PodsConfig
+import os
+from pathlib import Path
+
+import yaml
+
+from gateway.config import FileDiscovery, KubernetesDiscovery, PodsConfig
 from gateway.pods.pool import PodPool
+from tessera.roles import POD_ROLES
 
 logger = logging.getLogger(__name__)
 
@@ -95,3 +102,66 @@ class EndpointSliceWatcher:
     def _publish(self, role: str, slices: dict[str, dict]) -> None:
         addresses = addresses_from_slices(list(slices.values()), self.config.port_name)
         self.loop.call_soon_threadsafe(self.pool.set_members, role, addresses)
+
+
+def members_from_file(text: str) -> dict[str, list[str]]:
+    """The pods a discovery file lists, by role: a YAML mapping of roles to
+    lists of host:port. ValueError naming what is wrong."""
+    data = yaml.safe_load(text) if text.strip() else {}
+    if not isinstance(data, dict):
+        raise ValueError("expected a mapping of roles to lists of host:port")
+    members: dict[str, list[str]] = {}
+    for role, addresses in data.items():
+        if role not in POD_ROLES:
+            raise ValueError(f"role {role!r} is not one of {POD_ROLES}")
+        if not isinstance(addresses, list) or not all(isinstance(a, str) and ":" in a for a in addresses):
+            raise ValueError(f"{role}: expected a list of host:port")
+        members[role] = sorted(set(addresses))
+    return members
+
+
+class FileWatcher:
+    """Polls the discovery file on the pool's event loop and makes each
+    role's pods exactly what it lists. A file that is missing or malformed
+    keeps the pods as they are (logged), so a half-written file never
+    empties the pool: write it elsewhere and rename it into place."""
+
+    def __init__(self, config: FileDiscovery, pool: PodPool) -> None:
+        self.config = config
+        self.pool = pool
+        self._seen: tuple[int, int] | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.poll()  # the first membership before the first request
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.poll_interval_s)
+            self.poll()
+
+    def poll(self) -> None:
+        path = Path(self.config.path)
+        try:
+            stat = os.stat(path)
+        except OSError as e:
+            if self._seen != (-1, -1):
+                logger.error("pods.file: cannot read %s (%s); keeping the pods as they are", path, e.strerror)
+                self._seen = (-1, -1)
+            return
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if stamp == self._seen:
+            return
+        self._seen = stamp
+        try:
+            members = members_from_file(path.read_text())
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            logger.error("pods.file: %s: %s; keeping the pods as they are", path, e)
+            return
+        for role in POD_ROLES:
+            self.pool.set_members(role, members.get(role, []))

@@ -3,6 +3,7 @@ and whether it is routable."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -74,3 +75,13 @@ class Pod:
 
     async def close(self) -> None:
         await self.channel.close(grace=None)
+
+    async def close_when_idle(self, max_wait_s: float) -> None:
+        """Close the channel once this gateway's calls on it have ended, or
+        after ``max_wait_s``: a pod leaving the pool (scaled down, so
+        terminating and draining) finishes what it runs instead of having
+        it cut here."""
+        deadline = time.monotonic() + max_wait_s
+        while self.calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await self.close()

@@ -54,9 +54,12 @@ class PodPool:
         self.on_change()
 
     def _remove(self, address: str) -> None:
+        """No new request goes to the pod; those it runs finish (it drains
+        when it leaves the Service), bounded by the stream idle timeout."""
         pod = self.pods.pop(address)
         self._watchers.pop(address).cancel()
-        asyncio.get_running_loop().create_task(pod.close())
+        pod.eject()  # plans made before it left skip it on a retry
+        asyncio.get_running_loop().create_task(pod.close_when_idle(self.router_config.stream_idle_timeout_s))
         logger.info("pool: removed %s pod %s", pod.role, address)
 
     async def close(self) -> None:

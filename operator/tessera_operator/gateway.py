@@ -45,6 +45,10 @@ def gateway_config(owner: Owner, spec: dict) -> dict:
     ]
     config["default_priority_class"] = gw["defaultPriorityClass"]
     config["disaggregation"] = {"min_uncached_tokens": spec["disaggregation"]["minUncachedTokens"]}
+    if any(spec["pools"][role]["minReplicas"] == 0 for role in names.active_pools(spec["mode"])):
+        # A pool may be at zero pods: requests wait in the gateway's queue,
+        # whose length lifts the pool from zero (autoscale.py).
+        config["admission"] = {"queue_without_pods": True}
     tls = secret_files.gateway_tls_config(spec)
     if tls:
         config["internal"] = {"tls": tls}
@@ -105,8 +109,10 @@ def deployment(owner: Owner, spec: dict) -> dict:
                   {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
         "resources": pod_parts.resources(gw["resources"]),
-        "readinessProbe": _probe("/health", 5, 2),
-        "livenessProbe": _probe("/health", 10, 6),
+        # Ready while it takes requests (queued ones too, at zero pods);
+        # live while it answers: pods being gone is no reason to restart it.
+        "readinessProbe": _probe("/health/ready", 5, 2),
+        "livenessProbe": _probe("/health/live", 10, 6),
         "lifecycle": pod_parts.prestop_sleep(),
         "env": secret_files.internal_secret_env() + pod_parts.SCRATCH_ENV,
         "securityContext": pod_parts.container_security_context(),

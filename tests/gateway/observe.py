@@ -18,7 +18,8 @@ def metric_sum(url: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` at a /metrics URL whose labels include `labels`."""
     total = 0.0
     for line in httpx.get(url).text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+        sample = line.startswith(name + "{") or (not labels and line.startswith(name + " "))
+        if sample and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
 

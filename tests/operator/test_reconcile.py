@@ -238,8 +238,22 @@ def test_probes_use_the_health_endpoints(full):
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert engine[probe]["grpc"] == {"port": 50062}
     gw = container(full, "llama-gateway")
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert gw[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    # Ready while it takes requests, live while it answers: zero pods restart no gateway.
+    assert gw["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": "http"}
+    assert gw["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": "http"}
+
+
+def _gateway_yaml(spec: dict) -> dict:
+    objects = by_key(desired_objects(make_isvc(spec)))
+    return yaml.safe_load(objects[("ConfigMap", "llama-gateway")]["data"]["gateway.yaml"])
+
+
+def test_a_pool_that_may_scale_to_zero_makes_the_gateway_queue_without_pods():
+    assert "admission" not in _gateway_yaml(FULL_SPEC)  # every pool keeps a pod: 503 at once with none
+    pools = {**FULL_SPEC["pools"], "prefill": {**FULL_SPEC["pools"]["prefill"], "minReplicas": 0}}
+    config = _gateway_yaml({**FULL_SPEC, "pools": pools})
+    assert config["admission"] == {"queue_without_pods": True}
+    assert gateway_config_from_dict(config).admission.queue_without_pods
 
 
 def test_owner_references_labels_and_selectors(full):

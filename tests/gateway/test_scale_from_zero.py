@@ -1,0 +1,118 @@
+"""Scale from zero (issue 18): with admission.queue_without_pods, a gateway
+with no engine pod takes requests into its queue instead of answering 503,
+exports them as tessera:gateway_queue_length (which the operator's
+autoscaler reads to lift a pool from zero: checked here on the gateway's
+real metrics text), and the queued requests complete once the first pod
+is ready. A simulated pod plays the pod that starts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import grpc
+import httpx
+
+from engine_pod.server.process import SimulatedPodsProcess
+from engine_pod.sim.tokens import simulated_output
+from gateway.process import GatewayProcess
+from tessera.child_process import free_port_range
+from tessera.text import load_eos_token_ids
+from tessera.v1 import inference_pb2 as pb
+from tessera.v1 import inference_pb2_grpc as pb_grpc
+from tessera_operator.autoscale import PoolObservation, ScalerState, ScalingPolicy, decide
+from tessera_operator.signals import parse_gateway_queued
+from tests.gateway.conftest import KEYS, MODEL_NAME, gateway_config, write_tenants
+
+PROFILE = "engine_pod/sim/profiles/bench-cpu.json"
+AUTH = (("authorization", f"Bearer {KEYS['alice']}"),)
+PROMPTS = [[40 + 7 * i + j for j in range(20)] for i in range(3)]
+
+
+def _gateway(tiny_llama, tmp_path, address: str, **admission) -> GatewayProcess:
+    config = gateway_config(tiny_llama, [(SimpleNamespace(address=address), "mixed")],
+                            write_tenants(tmp_path / "tenants.yaml"),
+                            router={"load_interval_ms": 50, "reprobe_interval_s": 0.1}, admission=admission)
+    return GatewayProcess(config, tmp_path, log_path=tmp_path / "gateway.log")
+
+
+def _wait_live(gw: GatewayProcess, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        gw.check_alive("gateway")
+        try:
+            if httpx.get(gw.base_url + "/health/live").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError("gateway not answering")
+
+
+async def _first_token_times(address: str) -> list[tuple[float, list[int]]]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+
+        async def one(prompt):
+            first, tokens = None, []
+            params = pb.GenerationParams(max_tokens=4, temperature=0, ignore_eos=True)
+            async for chunk in stub.Complete(pb.CompletionRequest(model=MODEL_NAME, prompt_token_ids=prompt,
+                                                                  params=params), metadata=AUTH, timeout=60):
+                for choice in chunk.choices:
+                    if choice.token_ids and first is None:
+                        first = time.monotonic()
+                    tokens.extend(choice.token_ids)
+            return first, tokens
+
+        return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+
+def test_requests_wait_for_the_first_pod_and_their_demand_lifts_the_pool(tiny_llama, tmp_path):
+    port = free_port_range(1)
+    with _gateway(tiny_llama, tmp_path, f"127.0.0.1:{port}", queue_without_pods=True, queue_timeout_s=30) as gw:
+        gw.wait_ready(num_pods=0)
+        assert httpx.get(gw.base_url + "/health").status_code == 503  # no pod routable ...
+        assert httpx.get(gw.base_url + "/health/ready").status_code == 200  # ... but it takes requests
+        assert httpx.get(gw.base_url + "/health/live").status_code == 200
+
+        async def scenario():
+            requests = asyncio.create_task(_first_token_times(gw.grpc_address))
+            deadline = time.monotonic() + 10
+            queued = 0
+            while queued < len(PROMPTS) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                queued = parse_gateway_queued(httpx.get(gw.metrics_url).text)
+            assert queued == len(PROMPTS) and not requests.done()
+            # The operator's decision on that demand, for a pool at zero.
+            policy = ScalingPolicy(signal="queue", target=4, min_replicas=0, max_replicas=3)
+            observation = PoolObservation(replicas=0, ready=0, pending=0, signal=None, busy=False,
+                                          gateway_queued=queued)
+            decision = decide(policy, observation, ScalerState(), now=0.0)
+            assert (decision.reason, decision.replicas) == ("ScaleFromZero", 1)
+            started = time.monotonic()
+            with SimulatedPodsProcess(tiny_llama, PROFILE, 1, ["--max-model-len", "256", "--num-gpu-blocks", "64"],
+                                      log_path=tmp_path / "pod.log", grpc_port=port) as pod:
+                pod.wait_serving()
+                ready_after = time.monotonic() - started
+                results = await requests
+            return started, ready_after, results
+
+        started, ready_after, results = asyncio.run(scenario())
+        assert parse_gateway_queued(httpx.get(gw.metrics_url).text) == 0
+    eos = load_eos_token_ids(tiny_llama)
+    assert [tokens for _, tokens in results] == [simulated_output(p, 4, 8192, eos) for p in PROMPTS]
+    # The first token within the pod's start-up plus 2 s (a prefill step and the gateway's reprobe).
+    assert all(first - started <= ready_after + 2.0 for first, _ in results)
+
+
+def test_without_queueing_no_pod_is_an_immediate_503(tiny_llama, tmp_path):
+    port = free_port_range(1)
+    with _gateway(tiny_llama, tmp_path, f"127.0.0.1:{port}") as gw:
+        _wait_live(gw)
+        assert httpx.get(gw.base_url + "/health/ready").status_code == 503
+        start = time.monotonic()
+        r = httpx.post(gw.base_url + "/v1/completions", headers={"Authorization": f"Bearer {KEYS['alice']}"},
+                       json={"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine_pod"
+        assert time.monotonic() - start < 5
