@@ -28,10 +28,11 @@ the fleet size, chosen without any state a replica would have to share:
 
 - Affinity candidates: where the prompt's prefix is likely cached. The hash
   at depth d of a chained list names the whole prefix up to block d, so its
-  rendezvous (highest-random-weight) owner among the routable addresses is a
-  pure function of that prefix and the set of pods: every replica computes
-  the same owner, and a pod joining or leaving moves only the prefixes it
-  wins or owned. The depths looked at form a ladder, 1, 2, 4, 8, ... up to
+  owner on a consistent-hash ring of the routable addresses
+  (gateway/hash_ring.py) is a pure function of that prefix and the set of
+  pods: every replica computes the same owner, a pod joining or leaving
+  moves only the prefixes it wins or owned, and finding it is a binary
+  search, not a hash per pod. The depths looked at form a ladder, 1, 2, 4, 8, ... up to
   the prompt's length, walked deepest first; each depth adds its owner
   unless already chosen, until `affinity_candidates` pods are chosen.
   Powers of two, and not the prompt's last full block: a prompt that
@@ -45,8 +46,7 @@ the fleet size, chosen without any state a replica would have to share:
   report a request stale must not send a new prefix to a load candidate,
   which the prompt's next request would not ask. Among the owners, the one
   of the deepest ladder depth wins (`_affinity_tie`), then the next depth
-  up. Deepest, because the first block is a
-  tenant's shared system prompt: its owner would take all of the tenant's
+  up. Deepest, because the first block is a tenant's shared system prompt: its owner would take all of the tenant's
   conversations, while deep prefixes are one conversation's own and spread
   over the fleet; and because the next turn's ladder has that depth too.
 - Multi-turn: a conversation placed at the owner of depth D stays a
@@ -61,15 +61,20 @@ the fleet size, chosen without any state a replica would have to share:
   its final prompt, where landing anywhere costs a full prefill per turn.
 - Load candidates: the `load_candidates` least loaded other pods by their
   pushed reports (waiting including this gateway's dispatched_since_report,
-  then running, then KV usage; the rendezvous tie-break last): when the
+  then running, then KV usage; equal loads from a position the prompt's
+  key picks, so prompts spread over equally idle pods): when the
   affinity candidates are busy, an idle pod can still win on score, as under
   `score`. Reports reach all replicas alike, but each replica counts only its
   own dispatches, so replicas may differ here; they agree on where a prefix
   lives, the part that needs agreement. A prompt shorter than a block has
   load candidates only, and nothing to ask: no RPC at all.
 - The candidates come first, best first; a candidate ejected by its query
-  (UNAVAILABLE) is left out. The other routable pods follow, ranked by their
-  pushed load alone (no RPC): the fallbacks of the retry and failover code.
+  (UNAVAILABLE) is left out. Then up to BOUNDED_FALLBACKS more of the least
+  loaded pods, by their pushed load alone (no RPC): the fallbacks of the
+  retry and failover code, as many as one request can try.
+- Cost: one pass over the pushed loads (a tuple per pod, a partial sort),
+  the ring lookups, and the k queries; the ring is rebuilt only when the set
+  of routable pods changes.
 """
 
 from __future__ import annotations
@@ -82,11 +87,15 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.config import AdmissionConfig, RouterConfig
+from gateway.hash_ring import HashRing
 from gateway.metrics import GatewayMetrics
 from gateway.pods import Pod, PodPool
 from tessera.v1 import engine_pb2 as epb
 
 _TIE_BREAK_SCALE = 1e-6
+# bounded: pods ranked after the candidates, by pushed load alone, as retry
+# fallbacks: as many as a request can try (gateway/engine_call.py).
+BOUNDED_FALLBACKS = 8
 
 # A failed prefix query's outcome label on tessera:gateway_prefix_queries.
 _QUERY_OUTCOMES = {grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout"}
@@ -116,15 +125,16 @@ def score_pod(cached_fraction: float, load: PodLoad, config: RouterConfig, max_w
     )
 
 
-def rendezvous_weight(key: bytes, address: str) -> int:
-    """The pod's 64-bit weight for `key` in rendezvous hashing: the key's
-    owner is the pod of highest weight."""
-    digest = hashlib.sha256(key + address.encode()).digest()
-    return int.from_bytes(digest[:8], "big")
-
-
 def tie_break(key: bytes, address: str) -> float:
-    return rendezvous_weight(key, address) / 2**64 * _TIE_BREAK_SCALE
+    """The score policy's tie-break: a rendezvous hash of the key and the pod."""
+    digest = hashlib.sha256(key + address.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 * _TIE_BREAK_SCALE
+
+
+def _load_tie(position: int, count: int) -> float:
+    """The tie-break of the load candidate (or fallback) at `position` in
+    load order: less loaded first, below every affinity tie-break."""
+    return (count - position) / (count + 1) * _TIE_BREAK_SCALE
 
 
 def _affinity_tie(position: int, count: int) -> float:
@@ -141,29 +151,29 @@ def ladder_depths(num_blocks: int) -> list[int]:
     return [1 << i for i in range(num_blocks.bit_length() - 1, -1, -1)]
 
 
-def owner(key: bytes, pods: list[Pod]) -> Pod:
-    """The pod that rendezvous hashing gives `key` (the address breaks a
-    64-bit collision, so the pool's order never matters)."""
-    return max(pods, key=lambda p: (rendezvous_weight(key, p.address), p.address))
-
-
-def affinity_candidates(block_hashes: list[bytes], pods: list[Pod], limit: int) -> list[Pod]:
-    """The owners of the prompt's ladder depths, deepest first, each once,
-    at most `limit`."""
+def affinity_candidates(block_hashes: list[bytes], pods: list[Pod], ring: HashRing, limit: int) -> list[Pod]:
+    """The ring owners of the prompt's ladder depths, deepest first, each
+    once, at most `limit`; `ring` was built from `pods`' addresses, in order."""
     chosen: dict[str, Pod] = {}
     for depth in ladder_depths(len(block_hashes)):
         if len(chosen) >= limit:
             break
-        pod = owner(block_hashes[depth - 1], pods)
+        pod = pods[ring.owner_index(block_hashes[depth - 1])]
         chosen.setdefault(pod.address, pod)
     return list(chosen.values())
 
 
-def least_loaded(pods: list[Pod], count: int, ties: dict[str, float]) -> list[Pod]:
-    """The `count` pods with the least pushed load, least first; `ties`:
-    each pod's tie-break for this request."""
-    return heapq.nsmallest(count, pods, key=lambda p: (
-        p.waiting(), p.load.num_running, p.load.kv_cache_usage, -ties[p.address], p.address))
+def least_loaded(pods: list[Pod], count: int, key: bytes) -> list[Pod]:
+    """The `count` pods with the least pushed load, least first. Equal loads
+    are ordered by the pod's address hash mixed with the request's key: the
+    same order whatever the pool's order (replicas agree), and prompts
+    spread over equally idle pods, without a hash per pod per request."""
+    if count <= 0 or not pods:
+        return []
+    spread = int.from_bytes(key[:8], "big")
+    loads = [(p.waiting(), p.load.num_running, p.load.kv_cache_usage, p.address_hash ^ spread, i)
+             for i, p in enumerate(pods)]
+    return [pods[entry[-1]] for entry in heapq.nsmallest(count, loads)]
 
 
 def _best_first(scored: list[ScoredPod]) -> list[ScoredPod]:
@@ -180,6 +190,8 @@ class Router:
         self._prefix_queries = (metrics or GatewayMetrics()).prefix_query_outcomes
         # Round robin: the next starting position, per role.
         self._turn: dict[str, int] = {}
+        # Bounded: the hash ring of the last pod set it routed over.
+        self._ring: HashRing | None = None
 
     async def rank(self, role: str, block_hashes: list[bytes], num_prompt_tokens: int,
                    key: bytes) -> list[ScoredPod]:
@@ -198,21 +210,31 @@ class Router:
     async def _rank_bounded(self, pods: list[Pod], block_hashes: list[bytes], num_prompt_tokens: int,
                             key: bytes) -> list[ScoredPod]:
         """The bounded policy (module docstring): ask the candidates only,
-        then append the others ranked by pushed load."""
-        affinity = affinity_candidates(block_hashes, pods, self.config.affinity_candidates)
+        then append up to BOUNDED_FALLBACKS others ranked by pushed load.
+        Nothing here hashes or scores every pod: a request costs the same
+        at 16 pods and at 256, but for one pass over the pushed loads."""
+        affinity = affinity_candidates(block_hashes, pods, self._ring_of(pods), self.config.affinity_candidates)
         chosen = {p.address for p in affinity}
-        ties = {p.address: tie_break(key, p.address) for p in pods}
-        load = least_loaded([p for p in pods if p.address not in chosen], self.config.load_candidates, ties)
+        others = [p for p in pods if p.address not in chosen]
+        by_load = least_loaded(others, self.config.load_candidates + BOUNDED_FALLBACKS, key)
+        load, fallbacks = by_load[:self.config.load_candidates], by_load[self.config.load_candidates:]
         candidates = affinity + load
         bonus = self.config.affinity_bonus
         candidate_ties = [bonus + _affinity_tie(i, len(affinity)) for i in range(len(affinity))]
-        candidate_ties += [ties[p.address] for p in load]
+        candidate_ties += [_load_tie(i, len(load)) for i in range(len(load))]
         matched = await self._query(candidates, block_hashes)
         ranked = [self._scored(pod, blocks, num_prompt_tokens, tie)
                   for pod, blocks, tie in zip(candidates, matched, candidate_ties) if pod.routable]
-        chosen.update(p.address for p in load)
-        rest = [self._scored(pod, 0, num_prompt_tokens, ties[pod.address]) for pod in pods if pod.address not in chosen]
+        rest = [self._scored(pod, 0, num_prompt_tokens, _load_tie(i, len(fallbacks)))
+                for i, pod in enumerate(fallbacks)]
         return _best_first(ranked) + _best_first(rest)
+
+    def _ring_of(self, pods: list[Pod]) -> HashRing:
+        """The ring of these pods' addresses, rebuilt only when they change."""
+        addresses = tuple(p.address for p in pods)
+        if self._ring is None or self._ring.addresses != addresses:
+            self._ring = HashRing(addresses)
+        return self._ring
 
     def _scored(self, pod: Pod, blocks: int, num_prompt_tokens: int, tie: float) -> ScoredPod:
         fraction = min(1.0, blocks * self.block_size / max(1, num_prompt_tokens))

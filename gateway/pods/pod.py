@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from gateway.hash_ring import ring_position
 from gateway.pods.deadline import ProgressDeadline
 from tessera.internal_channel import InternalClient
 from tessera.v1 import engine_pb2 as epb
@@ -45,7 +46,11 @@ class Pod:
     # False while ejected (connection lost, failed calls) until a report arrives.
     healthy: bool = False
 
+    # A 64-bit hash of the address: the bounded router's order among equally loaded pods.
+    address_hash: int = field(init=False, repr=False)
+
     def __post_init__(self) -> None:
+        self.address_hash = ring_position(self.address.encode())
         self.channel = (self.client.aio_channel(self.address, _CHANNEL_OPTIONS) if self.client is not None
                         else grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS))
         self.stub = epb_grpc.EngineStub(self.channel)

@@ -12,7 +12,6 @@ process. The metric test and the unreachable pod use real gRPC on loopback.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import socket
 
 import grpc
@@ -21,7 +20,8 @@ import pytest
 from gateway.config import GatewayConfigError, RouterConfig, gateway_config_from_dict
 from gateway.metrics import GatewayMetrics
 from gateway.pods import Pod, PodPool
-from gateway.router import Router, ScoredPod, affinity_candidates
+from gateway.hash_ring import HashRing
+from gateway.router import BOUNDED_FALLBACKS, Router, ScoredPod, affinity_candidates
 from kv_store.block_hash import hash_request_tokens
 from tessera.v1 import engine_pb2 as epb
 from tessera.v1 import engine_pb2_grpc as epb_grpc
@@ -91,10 +91,13 @@ def serve(ranked: list[ScoredPod], hashes: list[bytes]) -> Pod:
 
 
 def deepest_ladder_owner(hashes: list[bytes], pod_addresses: list[str]) -> str:
-    """Worked out here from the definition, not with the router's code."""
+    """The ring owner (tests/gateway/test_hash_ring.py checks the ring) of the deepest power-of-two depth."""
     depth = 2 ** (len(hashes).bit_length() - 1)
-    key = hashes[depth - 1]
-    return max(pod_addresses, key=lambda a: (hashlib.sha256(key + a.encode()).digest()[:8], a))
+    return HashRing(sorted(pod_addresses)).owner(hashes[depth - 1])
+
+
+def ring_of(pods: list[Pod]) -> HashRing:
+    return HashRing([p.address for p in pods])
 
 
 @pytest.mark.parametrize("size", [4, 64, 256])
@@ -116,8 +119,8 @@ def test_prefix_queries_per_request_are_bounded_whatever_the_pool_size(size):
     asked_counts, ranked_lengths, score_asked = asyncio.run(run())
     assert max(asked_counts) <= min(K, size)
     assert max(asked_counts) == min(K, size)  # the budget is used, not skipped
-    # Every routable pod stays in the ranking, the un-asked ones as fallbacks.
-    assert set(ranked_lengths) == {size}
+    # The candidates, then up to BOUNDED_FALLBACKS un-asked pods as retry fallbacks; never all 256.
+    assert all(min(size, 1 + BOUNDED_FALLBACKS) <= n <= min(size, K + BOUNDED_FALLBACKS) for n in ranked_lengths)
     assert score_asked == size  # what `score` costs on the same pool
 
 
@@ -156,9 +159,10 @@ def test_a_later_turn_keeps_the_earlier_turns_pod_as_a_candidate():
             n1 = 1 + conversation % 23
             turn1, turn2 = prompt(conversation, n1), prompt(conversation, 2 * n1)
             first = serve((await route(router, log, turn1))[0], turn1)
-            assert affinity_candidates(turn1, pool.routable(), 2)[0] is first
+            assert affinity_candidates(turn1, pool.routable(), ring_of(pool.routable()), 2)[0] is first
             ranked, asked = await route(router, log, turn2)
-            assert first.address in [p.address for p in affinity_candidates(turn2, pool.routable(), 2)]
+            owners = affinity_candidates(turn2, pool.routable(), ring_of(pool.routable()), 2)
+            assert first.address in [p.address for p in owners]
             assert first.address in asked
             assert ranked[0].pod is first and ranked[0].matched_blocks == n1
         await pool.close()
@@ -169,9 +173,10 @@ def test_a_later_turn_keeps_the_earlier_turns_pod_as_a_candidate():
 def test_a_growing_conversation_moves_rarely():
     """64 turns, one block longer each, on the ladder alone (no load
     candidates): with 2 affinity candidates the conversation moves (a full
-    prefill) only when its deepest ladder depth has grown fourfold since it
-    was placed: turns 1, 4, 16 and 64 at most; every other turn finds all
-    of the previous one cached."""
+    prefill, or a partial one where an older pod of it owns a depth) only
+    when its deepest ladder depth has grown fourfold since it was placed:
+    turns 1, 4, 16 and 64 at most; every other turn finds all of the
+    previous one cached."""
     config = RouterConfig(policy="bounded", load_candidates=0)
 
     async def run() -> list[int]:
@@ -181,16 +186,14 @@ def test_a_growing_conversation_moves_rarely():
         for blocks in range(1, 65):
             hashes = prompt(7, blocks)
             ranked, _ = await route(router, log, hashes)
-            if ranked[0].matched_blocks == 0:
+            if ranked[0].matched_blocks < blocks - 1:  # less than all of the previous turn
                 misses.append(blocks)
-            else:
-                assert ranked[0].matched_blocks == blocks - 1  # all of the previous turn
             serve(ranked, hashes)
         await pool.close()
         return misses
 
     misses = asyncio.run(run())
-    assert misses[0] == 1 and set(misses) <= {1, 4, 16, 64}
+    assert set(misses) <= {4, 16, 64}  # turn 1 has nothing to find
 
 
 def test_with_no_pod_holding_the_prefix_the_deepest_ladder_owner_wins():
