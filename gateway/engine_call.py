@@ -84,7 +84,8 @@ async def stream_choice(
         on_attempt(pod, attempt)
         started = False
         call = span = None
-        deadline = ProgressDeadline(pool.router_config.stream_idle_timeout_s, "response from the engine pod")
+        deadline = ProgressDeadline(pool.router_config.stream_idle_timeout_s, "response from the engine pod",
+                                    pool.loop_lag)
         pod.calls.add(deadline)
         try:
             # Not made current: an async generator may be closed from another

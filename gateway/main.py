@@ -87,6 +87,7 @@ async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
     gc.collect()
     gc.freeze()
     metrics_server = _serve_metrics(config, gateway)
+    gateway.loop_lag.start()
     for role, addresses in static_members(config.pods).items():
         gateway.pool.set_members(role, addresses)
     watcher: EndpointSliceWatcher | FileWatcher | None = None
@@ -124,6 +125,7 @@ async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
         await health_servicer.enter_graceful_shutdown()
         await grpc_server.stop(drain_timeout)
         health_task.cancel()
+        gateway.loop_lag.stop()
         if watcher is not None:
             watcher.stop()
         await gateway.close()

@@ -11,11 +11,13 @@ stream is sent, an engine pod's refusal of the request included.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
 from gateway.admission import AdmissionController, Rejected, Ticket
 from gateway.config import GatewayConfig
+from gateway.loop_lag import LoopLag
 from gateway.errors import (
     GatewayError,
     bad_request,
@@ -39,6 +41,11 @@ from tessera.tracing import tracer
 
 _tracer = tracer("tessera.gateway")
 
+# Pool changes reach admission at most this often (Gateway._on_pool_change).
+CAPACITY_REFRESH_S = 0.02
+# How often a request admitted as the last pod left looks for a pod again.
+_NO_POD_POLL_S = 0.05
+
 
 @dataclasses.dataclass
 class Plan:
@@ -58,7 +65,10 @@ class Gateway:
         self.tenants = tenants
         self.classes = classes
         self.metrics = metrics or GatewayMetrics()
-        self.pool = PodPool(config.router, config.admission, on_change=self._on_pool_change, client=internal)
+        self.loop_lag = LoopLag()  # started by the server (gateway/main.py), with the loop
+        self._refresh_pending = False
+        self.pool = PodPool(config.router, config.admission, on_change=self._on_pool_change, client=internal,
+                            loop_lag=self.loop_lag)
         self.admission = AdmissionController(
             max_queue_len=config.admission.max_queue_len, queue_timeout_s=config.admission.queue_timeout_s
         )
@@ -68,9 +78,24 @@ class Gateway:
             # queues: the operator lifts a pool from zero on this demand.
             self.metrics.queue_length.labels(pclass.name).set_function(
                 lambda name=pclass.name: self.admission.queue_len_by_class().get(name, 0))
-        self._on_pool_change()  # no pod has been seen yet: with queue_without_pods, requests queue
+        self._refresh_capacity()  # no pod has been seen yet: with queue_without_pods, requests queue
 
     def _on_pool_change(self) -> None:
+        """Every load report and ejection lands here: the admission capacity
+        is refreshed at most once per CAPACITY_REFRESH_S, since refreshing
+        walks every pod (per report, that alone took 40% of a core at 128 pods)."""
+        if self._refresh_pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # built outside the loop (start-up, tests): at once
+            self._refresh_capacity()
+            return
+        self._refresh_pending = True
+        loop.call_later(CAPACITY_REFRESH_S, self._refresh_capacity)
+
+    def _refresh_capacity(self) -> None:
+        self._refresh_pending = False
         if self.config.admission.queue_without_pods and not self.pool.routable():
             # Nothing to run on: every request queues until a pod is routable.
             self.admission.set_capacity(0)
@@ -174,17 +199,18 @@ class Gateway:
                 raise rate_limited(e.message, e.reason, e.retry_after) from None
 
     async def plan(self, prompt_ids: list[int], cache_salt: str, request_id: str) -> Plan:
-        """Rank pods for the request; decide on P/D disaggregation."""
+        """Rank pods for the request; decide on P/D disaggregation. With
+        admission.queue_without_pods, a request admitted just before the
+        last pod left waits for one (up to queue_timeout_s) instead of a 503."""
         with _tracer.start_as_current_span("gateway.route") as span:
             hashes = hash_request_tokens(prompt_ids, self.model.block_size, cache_salt)
             key = hashes[0] if hashes else request_id.encode()
-            if self.pool.disaggregated:
-                plan = await self._plan_disaggregated(hashes, len(prompt_ids), key)
-            else:
-                ranked = await self.router.rank("mixed", hashes, len(prompt_ids), key)
-                if not ranked:  # only P/D pods, one pool down: decode pods compute prompts themselves
-                    ranked = await self.router.rank("decode", hashes, len(prompt_ids), key)
-                plan = self._plan_from(ranked, [])
+            plan = await self._ranked_plan(hashes, len(prompt_ids), key)
+            if not plan.candidates and self.config.admission.queue_without_pods:
+                deadline = time.monotonic() + self.config.admission.queue_timeout_s
+                while not plan.candidates and time.monotonic() < deadline:
+                    await asyncio.sleep(_NO_POD_POLL_S)
+                    plan = await self._ranked_plan(hashes, len(prompt_ids), key)
             if not plan.candidates:
                 raise unavailable("no engine pod is serving; retry shortly", "no_engine_pod")
             span.set_attribute("tessera.pod", plan.candidates[0].address)
@@ -192,6 +218,14 @@ class Gateway:
             span.set_attribute("tessera.disaggregated", bool(plan.prefill_candidates))
             self.metrics.prefix_hit_tokens.labels(plan.candidates[0].address).inc(plan.matched_tokens)
             return plan
+
+    async def _ranked_plan(self, hashes: list[bytes], num_tokens: int, key: bytes) -> Plan:
+        if self.pool.disaggregated:
+            return await self._plan_disaggregated(hashes, num_tokens, key)
+        ranked = await self.router.rank("mixed", hashes, num_tokens, key)
+        if not ranked:  # only P/D pods, one pool down: decode pods compute prompts themselves
+            ranked = await self.router.rank("decode", hashes, num_tokens, key)
+        return self._plan_from(ranked, [])
 
     async def _plan_disaggregated(self, hashes: list[bytes], num_tokens: int, key: bytes) -> Plan:
         decode = await self.router.rank("decode", hashes, num_tokens, key)

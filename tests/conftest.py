@@ -89,3 +89,15 @@ def redis_server(tmp_path):
     server = RedisServer(tmp_path)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def fast_sim_profile(tmp_path_factory) -> Path:
+    """A step-time profile for simulated pods in tests whose point is not
+    timing: steps of ~10 ms, so a request takes tens of ms, not seconds."""
+    from engine_pod.sim.step_profile import StepTimeProfile
+
+    path = tmp_path_factory.mktemp("profiles") / "fast.json"
+    StepTimeProfile(base_s=0.01, per_prefill_token_s=1e-4, per_decode_seq_s=5e-4, per_context_token_s=0.0,
+                    source="tests: fast steps").save(path)
+    return path

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import grpc
 
 from gateway.config import AdmissionConfig, RouterConfig
+from gateway.loop_lag import LoopLag
 from gateway.pods.deadline import NoProgress, ProgressDeadline
 from gateway.pods.pod import Pod
 from tessera.internal_channel import InternalClient
@@ -28,13 +29,16 @@ logger = logging.getLogger(__name__)
 
 class PodPool:
     def __init__(self, router_config: RouterConfig, admission_config: AdmissionConfig,
-                 on_change: Callable[[], None] = lambda: None, client: InternalClient | None = None) -> None:
+                 on_change: Callable[[], None] = lambda: None, client: InternalClient | None = None,
+                 loop_lag: LoopLag | None = None) -> None:
         self.router_config = router_config
         # The credentials every pod's channel presents (tessera/internal_channel.py).
         self.client = client
         self.admission_config = admission_config
         # Called after every report or ejection (admission re-reads capacity).
         self.on_change = on_change
+        # This process's event-loop lateness: deadlines are put off while it lags (pods/deadline.py).
+        self.loop_lag = loop_lag
         self.pods: dict[str, Pod] = {}
         self._watchers: dict[str, asyncio.Task] = {}
 
@@ -142,7 +146,7 @@ class PodPool:
     async def _read_reports(self, pod: Pod, call) -> None:
         """Apply the pod's reports until its stream ends; NoProgress if one
         is `load_timeout_s` late."""
-        deadline = ProgressDeadline(self.router_config.load_timeout_s, "load report")
+        deadline = ProgressDeadline(self.router_config.load_timeout_s, "load report", self.loop_lag)
         while (report := await deadline.read(call)) is not grpc.aio.EOF:
             was_routable = pod.routable
             pod.on_report(report)

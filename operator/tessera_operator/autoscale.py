@@ -96,7 +96,12 @@ def recommend(policy: ScalingPolicy, obs: PoolObservation) -> tuple[int, str]:
     if abs(ratio - 1.0) <= policy.tolerance:
         return policy.bounded(obs.replicas), f"{described}, within tolerance"
     # The epsilon keeps float noise (3.0000000000000004) from buying a pod.
-    return policy.bounded(math.ceil(obs.ready * ratio - 1e-9)), described
+    recommended = math.ceil(obs.ready * ratio - 1e-9)
+    if obs.busy and recommended < 1:
+        # A signal of 0 (an empty waiting queue) on a pool that is serving:
+        # never to zero while requests run there (only idleness scales to zero).
+        return policy.bounded(1), f"{described}, but requests are running"
+    return policy.bounded(recommended), described
 
 
 def decide(policy: ScalingPolicy, obs: PoolObservation, state: ScalerState, now: float) -> Decision:

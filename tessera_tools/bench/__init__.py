@@ -28,6 +28,8 @@ def add_bench_parser(sub) -> None:
     cpu_kernels.add_parser(kinds)
     fuzz.add_parser(kinds)
     profile.add_parser(kinds)
+    from tessera_tools.bench import fleet
+    fleet.add_parser(kinds)
     bench.set_defaults(func=run_bench)
 
 

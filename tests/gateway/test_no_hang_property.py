@@ -211,8 +211,12 @@ def test_every_valid_request_ends_with_2xx_or_4xx(fuzz_gateway, stub):
         assert fuzz_gateway.proc.poll() is None, "the gateway died"
 
     check()
-    # Both transports, and mostly served: the bodies are valid, so refusals
-    # are only context overruns and the like.
+    # Both transports, and a fair share served: the bodies are valid, so
+    # refusals are only context overruns (a third of max_tokens draws reach
+    # INT32_MAX) and the like. A share of each transport's own examples: the
+    # examples drawn have varied between runs of the suite (a third to three
+    # quarters of them served), so a count of all of them was too tight.
     for transport in ("rest", "grpc"):
+        tried = sum(1 for t, _ in outcomes if t == transport)
         served = outcomes.count((transport, "served"))
-        assert served > EXAMPLES // 5, (transport, served, len(outcomes))
+        assert tried > EXAMPLES // 4 and served >= tried // 4, (transport, served, tried)

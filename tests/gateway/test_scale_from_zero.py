@@ -116,3 +116,35 @@ def test_without_queueing_no_pod_is_an_immediate_503(tiny_llama, tmp_path):
                        json={"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine_pod"
         assert time.monotonic() - start < 5
+
+
+def test_a_request_admitted_as_the_last_pod_left_waits_for_the_next(tiny_llama):
+    """Admission let it through while a pod was listed; by the time it is
+    routed the pod is gone: with queue_without_pods it waits for a pod
+    (within queue_timeout_s) instead of a 503."""
+    from gateway.config import gateway_config_from_dict
+    from gateway.main import build_gateway
+    from gateway.pods import Pod
+    from tessera.v1 import engine_pb2 as epb
+
+    config = gateway_config_from_dict({
+        "model": {"name": MODEL_NAME, "path": str(tiny_llama)}, "pods": {"static": [{"address": "127.0.0.1:1"}]},
+        "router": {"policy": "round_robin"}, "admission": {"queue_without_pods": True, "queue_timeout_s": 5}})
+
+    async def run():
+        gateway = build_gateway(config)
+        pod = Pod("127.0.0.1:2", "mixed")
+
+        def arrives():
+            pod.on_report(epb.LoadReport(role="mixed", serving=True))
+            gateway.pool.pods[pod.address] = pod
+
+        asyncio.get_running_loop().call_later(0.3, arrives)
+        start = time.monotonic()
+        plan = await gateway.plan(list(range(40)), "salt", "request-1")
+        waited = time.monotonic() - start
+        await gateway.close()
+        return plan, waited
+
+    plan, waited = asyncio.run(run())
+    assert [p.address for p in plan.candidates] == ["127.0.0.1:2"] and 0.25 < waited < 2.0

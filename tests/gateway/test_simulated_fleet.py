@@ -42,12 +42,12 @@ def _complete(stub, prompt: list[int], max_tokens: int) -> pb.CompletionResult:
 PROMPTS = [[100 * g + i for i in range(96)] + [7000 + 10 * g + r] * 4 for g in range(4) for r in range(4)]
 
 
-def _grouped_prefixes(tiny_llama, tmp_path, **router) -> tuple[int, list[list[int]], float]:
+def _grouped_prefixes(tiny_llama, tmp_path, profile, **router) -> tuple[int, list[list[int]], float]:
     """Four prefixes of six blocks, four requests each, prefix after prefix
     (round robin then sends each prefix's requests to four different pods).
     Returns the cached tokens, the outputs and the prefix queries sent."""
     tmp_path.mkdir()
-    with SimulatedPodsProcess(tiny_llama, PROFILE, 4, SIM_ARGS, log_path=tmp_path / "pods.log") as pods:
+    with SimulatedPodsProcess(tiny_llama, profile, 4, SIM_ARGS, log_path=tmp_path / "pods.log") as pods:
         pods.wait_serving()
         # A generous prefix-query timeout: on two shared cores a 50 ms one
         # expires now and then, and this is about where the policies route.
@@ -69,9 +69,11 @@ def expected(tiny_llama):
     return lambda prompt, n: simulated_output(prompt, n, 8192, eos)
 
 
-def test_the_scorer_keeps_each_prefix_on_one_pod_and_round_robin_does_not(tiny_llama, tmp_path, expected):
-    scored, outputs, queries = _grouped_prefixes(tiny_llama, tmp_path / "score", policy="score")
-    rotated, _, rotated_queries = _grouped_prefixes(tiny_llama, tmp_path / "rr", policy="round_robin")
+def test_the_scorer_keeps_each_prefix_on_one_pod_and_round_robin_does_not(tiny_llama, tmp_path, expected,
+                                                                          fast_sim_profile):
+    scored, outputs, queries = _grouped_prefixes(tiny_llama, tmp_path / "score", fast_sim_profile, policy="score")
+    rotated, _, rotated_queries = _grouped_prefixes(tiny_llama, tmp_path / "rr", fast_sim_profile,
+                                                    policy="round_robin")
     # Scored: each prefix's three later requests find its six blocks (96 tokens) cached.
     assert scored == 4 * 3 * 96
     assert rotated == 0
@@ -79,8 +81,8 @@ def test_the_scorer_keeps_each_prefix_on_one_pod_and_round_robin_does_not(tiny_l
     assert queries == 4 * len(PROMPTS) and rotated_queries == 0  # score asks every pod
 
 
-def test_the_bounded_policy_finds_the_prefix_asking_two_pods(tiny_llama, tmp_path, expected):
-    cached, outputs, queries = _grouped_prefixes(tiny_llama, tmp_path / "bounded", policy="bounded",
+def test_the_bounded_policy_finds_the_prefix_asking_two_pods(tiny_llama, tmp_path, expected, fast_sim_profile):
+    cached, outputs, queries = _grouped_prefixes(tiny_llama, tmp_path / "bounded", fast_sim_profile, policy="bounded",
                                                  affinity_candidates=1, load_candidates=1)
     assert cached == 4 * 3 * 96
     assert outputs == [expected(p, 3) for p in PROMPTS]

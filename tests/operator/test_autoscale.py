@@ -210,6 +210,20 @@ def test_no_samples_while_busy_holds_and_idle_shrinks_after_window():
     assert decide(p, idle, state, 61.0).replicas == 2
 
 
+def test_a_serving_pool_with_an_empty_queue_is_not_scaled_to_zero():
+    """The queue signal reads 0 while a pod admits every request into its
+    batch: with minReplicas 0 that recommended 0 pods for a pool serving
+    requests (found by `tessera bench fleet --scenario autoscale`)."""
+    p = policy(min_replicas=0, down_window_s=0)
+    state = ScalerState()
+    busy = PoolObservation(replicas=2, ready=2, pending=0, signal=0.0, busy=True)
+    assert recommend(p, busy)[0] == 1
+    assert decide(p, busy, state, 0.0).replicas >= 1
+    assert decide(p, busy, state, 100.0).replicas >= 1
+    idle = PoolObservation(replicas=1, ready=1, pending=0, signal=None, busy=False)
+    assert recommend(p, idle)[0] == 0  # idleness still scales to zero
+
+
 def test_spec_bound_change_applies_at_once():
     p = policy(min_replicas=1, max_replicas=3)
     obs = PoolObservation(replicas=6, ready=6, pending=0, signal=4.0, busy=True)

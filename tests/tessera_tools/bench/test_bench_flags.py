@@ -76,6 +76,21 @@ BAD = [
     ("profile", "--decode-len", "0"),
     ("profile", "--kv-cache-gib", "inf"),
     ("profile", "--threads", "-1"),
+    ("fleet", "--pods", "0"),
+    ("fleet", "--duration", "0"),
+    ("fleet", "--pods-per-process", "0"),
+    ("fleet", "--system-prompt-len", "5,1"),
+    ("fleet", "--new-conversation-share", "2"),
+    ("fleet", "--scenario", "chaos"),
+    ("fleet", "--scenario-policy", "fastest"),
+    ("fleet", "--scale-interval", "0"),
+    ("fleet", "--scale-signal", "latency"),
+    ("fleet", "--scale-target", "0"),
+    ("fleet", "--min-replicas", "-1"),
+    ("fleet", "--max-replicas", "0"),
+    ("fleet", "--scale-up-window", "-1"),
+    ("fleet", "--scale-down-window", "nan"),
+    ("fleet", "--startup-delay", "-2"),
 ]
 
 
