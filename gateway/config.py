@@ -54,8 +54,16 @@ class ServerConfig:
     # Prometheus /metrics, on a port of its own so the public ports never
     # expose them (they name every tenant); 0: not served.
     metrics_port: int = 9090
+    # Seconds an idle HTTP keep-alive connection stays open. Longer than the
+    # idle timeout of the clients and load balancers in front (60 s is
+    # common), so they close first: a server that closes first races the
+    # client's next request on that connection, which then fails with a
+    # connection reset (uvicorn's default of 5 s did, for clients pausing 5 s).
+    keep_alive_s: float = 75.0
 
     def __post_init__(self) -> None:
+        if not self.keep_alive_s > 0:
+            raise GatewayConfigError("server.keep_alive_s must be > 0")
         for name in ("http_port", "grpc_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise GatewayConfigError(f"server.{name} must be in [0, 65535]")

@@ -112,7 +112,7 @@ async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
     app = build_app(gateway)
     http = _HttpServer(uvicorn.Config(
         app, host=config.server.host, port=config.server.http_port, log_level="warning", access_log=False,
-        lifespan="off", timeout_graceful_shutdown=int(drain_timeout),
+        lifespan="off", timeout_graceful_shutdown=int(drain_timeout), timeout_keep_alive=config.server.keep_alive_s,
     ))
     logger.info("gateway: REST on %s:%d, gRPC on %s, model %s", config.server.host, config.server.http_port,
                 address, config.model.name)

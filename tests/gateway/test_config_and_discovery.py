@@ -33,6 +33,7 @@ def test_defaults_and_nested_overrides():
     ({"server": {"http_port": True}}, "server.http_port: expected int"),
     ({"server": {"metrics_port": 8000}}, "server.metrics_port must differ from server.http_port"),
     ({"server": {"metrics_port": 70000}}, "server.metrics_port must be in [0, 65535]"),
+    ({"server": {"keep_alive_s": 0}}, "server.keep_alive_s must be > 0"),
     ({"pods": {"kubernetes": {"namespace": "ml", "services": ["a", "b"]}}},
      "pods.kubernetes.services: expected a mapping of names to names"),
 ])

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from engine_pod.server.process import SimulatedPodsProcess
+from engine_pod.sim.step_profile import StepTimeProfile
 from engine_pod.sim.tokens import simulated_output
 from gateway.process import GatewayProcess
 from tessera.text import load_eos_token_ids
@@ -21,7 +22,6 @@ from tessera.v1 import inference_pb2_grpc as pb_grpc
 from tests.gateway.conftest import KEYS, MODEL_NAME, gateway_config, write_tenants
 from tests.gateway.observe import metric_sum
 
-PROFILE = "engine_pod/sim/profiles/bench-cpu.json"
 SIM_ARGS = ["--max-model-len", "256", "--num-gpu-blocks", "128"]
 AUTH = (("authorization", f"Bearer {KEYS['alice']}"),)
 
@@ -102,7 +102,17 @@ async def _stream(stub, prompt: list[int], max_tokens: int) -> dict:
     return outcome
 
 
-def test_a_killed_host_of_pods_loses_no_request(tiny_llama, tmp_path, expected):
+@pytest.fixture(scope="module")
+def slow_profile(tmp_path_factory):
+    """Steps slow enough that the kill lands where the test wants it, whatever
+    the shipped profile says: 70 ms a step plus 3.4 ms a prefill token."""
+    path = tmp_path_factory.mktemp("profile") / "slow.json"
+    StepTimeProfile(base_s=0.07, per_prefill_token_s=0.0034, per_decode_seq_s=0.0038, per_context_token_s=3e-6,
+                    source="tests: slow steps").save(path)
+    return path
+
+
+def test_a_killed_host_of_pods_loses_no_request(tiny_llama, tmp_path, expected, slow_profile):
     """Half the fleet (one process of two pods) is SIGKILLed under load. A
     first wave is streaming when it dies: its requests there end with a
     clear UNAVAILABLE after the tokens they had (which are the right ones).
@@ -111,8 +121,8 @@ def test_a_killed_host_of_pods_loses_no_request(tiny_llama, tmp_path, expected):
     complete. Requests after the kill all complete."""
     first = [[11 * i + j for j in range(24)] for i in range(16)]
     second = [[13 * i + j + 3000 for j in range(24)] for i in range(16)]
-    with SimulatedPodsProcess(tiny_llama, PROFILE, 2, SIM_ARGS, log_path=tmp_path / "a.log") as a, \
-            SimulatedPodsProcess(tiny_llama, PROFILE, 2, SIM_ARGS, log_path=tmp_path / "b.log") as b:
+    with SimulatedPodsProcess(tiny_llama, slow_profile, 2, SIM_ARGS, log_path=tmp_path / "a.log") as a, \
+            SimulatedPodsProcess(tiny_llama, slow_profile, 2, SIM_ARGS, log_path=tmp_path / "b.log") as b:
         a.wait_serving()
         b.wait_serving()
         with _gateway(tiny_llama, tmp_path, a.addresses + b.addresses, reprobe_interval_s=0.2) as gw:

@@ -15,16 +15,12 @@ as `tessera bench serve` measures them), token-id prompts on
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import time
 from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from tessera_tools.bench.fleet.scenario_replay import replay_traced
 from tessera_tools.bench.fleet.workload import FleetRequest
-from tessera_tools.bench.serve.client import ServeClient, Target
-from tessera_tools.bench.serve.dataset import ServeRequest
 from tessera_tools.bench.serve.stream import RequestOutcome
 
 
@@ -39,40 +35,10 @@ class ReplayResult:
     """The run's start -> the last request ended."""
 
 
-def _serve_request(request: FleetRequest) -> ServeRequest:
-    # Target.body puts `prompt` in the JSON as it is: a list of ids is a token-id prompt.
-    return ServeRequest(output_len=request.output_len, prompt=request.prompt_token_ids,  # type: ignore[arg-type]
-                        prompt_len=len(request.prompt_token_ids))
-
-
 async def replay(requests: list[FleetRequest], gateway_urls: list[str], api_keys: list[str], model: str,
                  request_timeout_s: float, bar: tqdm) -> ReplayResult:
-    targets = [Target(url + "/v1", "completions", model) for url in gateway_urls]
-    ended = [asyncio.Event() for _ in requests]
-    failed = 0
-    async with contextlib.AsyncExitStack() as stack:
-        clients = {}
-        for tenant in sorted({r.tenant for r in requests}):
-            client = ServeClient(targets[0].base_url, api_keys[tenant], request_timeout_s)
-            clients[tenant] = await stack.enter_async_context(client)
-        start = time.perf_counter()
-
-        async def one(index: int, request: FleetRequest) -> tuple[RequestOutcome, float]:
-            nonlocal failed
-            await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
-            if request.after is not None:
-                await ended[request.after].wait()
-            delay = time.perf_counter() - start - request.arrival_s
-            try:
-                outcome = await clients[request.tenant].send(targets[index % len(targets)], _serve_request(request))
-            finally:
-                ended[index].set()
-            failed += not outcome.ok
-            bar.update(1)
-            if failed:
-                bar.set_postfix(failed=failed, refresh=False)
-            return outcome, delay
-
-        results = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
-        duration = time.perf_counter() - start
-    return ReplayResult([o for o, _ in results], [max(0.0, d) for _, d in results], duration)
+    """The routing runs' view of scenario_replay.replay_traced (the one loop)."""
+    traced = await replay_traced(requests, gateway_urls, api_keys, model, request_timeout_s, bar)
+    delays = [max(0.0, done.sent_at - traced.started_at - request.arrival_s)
+              for done, request in zip(traced.requests, requests)]
+    return ReplayResult(traced.outcomes, delays, traced.duration_s)

@@ -1,8 +1,9 @@
-"""The replay of the autoscale and faults scenarios: replay.py's open loop
-(trace arrival times, a conversation's turn after the previous one ended,
-requests alternating between gateways, one session per tenant), and for
-each request what serve's RequestOutcome does not keep: when it was sent,
-on the run's clock, and how it ended.
+"""The replay of every scenario (replay.py gives the routing runs' view of
+it): the open loop of replay.py's docstring (trace arrival times, a
+conversation's turn after the previous one ended, requests alternating
+between gateways, one session per tenant), and for each request what
+serve's RequestOutcome does not keep: when it was sent, on the run's clock,
+and how it ended.
 
 How a request ends:
 - ok: [DONE] after its tokens.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from tessera_tools.bench.fleet.workload import FleetRequest
-from tessera_tools.bench.serve.client import ServeClient, Target, _sse_payload
+from tessera_tools.bench.serve.client import ServeClient, Target
 from tessera_tools.bench.serve.dataset import ServeRequest
-from tessera_tools.bench.serve.stream import DONE, RequestOutcome, StreamRecorder, carries_token
+from tessera_tools.bench.serve.stream import RequestOutcome, StreamRecorder, carries_token
 
 ENDINGS = ("ok", "failed_before_streaming", "failed_after_streaming", "lost")
 
@@ -84,34 +84,17 @@ class _Recorder(StreamRecorder):
                 self.tokens += 1
         super().on_event(at, event)
 
+    def fail(self, at: float, error: str) -> None:
+        if error.startswith("HTTP "):  # the gateway answered with an error status
+            self.server_error = True
+        super().fail(at, error)
+
     def ending(self, outcome: RequestOutcome) -> str:
         if outcome.ok:
             return "ok"
         if self.server_error:
             return "failed_after_streaming" if self.tokens else "failed_before_streaming"
         return "lost"
-
-
-class _TracedClient(ServeClient):
-    async def send_traced(self, target: Target, request: ServeRequest) -> tuple[RequestOutcome, _Recorder]:
-        """ServeClient.send, keeping the recorder (its tokens and who failed)."""
-        recorder = _Recorder(time.perf_counter(), request.prompt_len)
-        try:
-            async with self._session.post(target.url, json=target.body(request)) as resp:
-                if resp.status != 200:
-                    recorder.server_error = True
-                    recorder.fail(time.perf_counter(), f"HTTP {resp.status}: {(await resp.text())[:300]}")
-                    return recorder.outcome(), recorder
-                async for line in resp.content:
-                    payload = _sse_payload(line)
-                    if payload is None:
-                        continue
-                    recorder.on_event(time.perf_counter(), DONE if payload == DONE else json.loads(payload))
-                    if payload == DONE:
-                        break
-        except Exception as e:  # timeouts, resets: the request failed, the run goes on
-            recorder.fail(time.perf_counter(), f"{type(e).__name__}: {e}"[:300])
-        return recorder.outcome(), recorder
 
 
 def _serve_request(request: FleetRequest) -> ServeRequest:
@@ -126,10 +109,11 @@ async def replay_traced(requests: list[FleetRequest], gateway_urls: list[str], a
     before the first request is due."""
     targets = [Target(url + "/v1", "completions", model) for url in gateway_urls]
     ended = [asyncio.Event() for _ in requests]
+    failed = [0]
     async with contextlib.AsyncExitStack() as stack:
         clients = {}
         for tenant in sorted({r.tenant for r in requests}):
-            client = _TracedClient(targets[0].base_url, api_keys[tenant], request_timeout_s)
+            client = ServeClient(targets[0].base_url, api_keys[tenant], request_timeout_s)
             clients[tenant] = await stack.enter_async_context(client)
         start = time.monotonic()
         if on_start is not None:
@@ -140,12 +124,16 @@ async def replay_traced(requests: list[FleetRequest], gateway_urls: list[str], a
             if request.after is not None:
                 await ended[request.after].wait()
             sent_at = time.monotonic()
+            recorder = _Recorder(time.perf_counter(), len(request.prompt_token_ids))
             try:
-                outcome, recorder = await clients[request.tenant].send_traced(targets[index % len(targets)],
-                                                                              _serve_request(request))
+                outcome = await clients[request.tenant].send(targets[index % len(targets)], _serve_request(request),
+                                                             recorder=recorder)
             finally:
                 ended[index].set()
             bar.update(1)
+            if not outcome.ok:
+                failed[0] += 1
+                bar.set_postfix(failed=failed[0], refresh=False)
             return TracedRequest(outcome, recorder.ending(outcome), sent_at, recorder.tokens, request.output_len)
 
         traced = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))

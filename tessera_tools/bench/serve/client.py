@@ -86,9 +86,11 @@ class ServeClient:
                 raise RuntimeError(f"GET {self.base_url}/models: HTTP {resp.status}: {text[:300]}{hint}")
         return [m["id"] for m in json.loads(text).get("data", [])]
 
-    async def send(self, target: Target, request: ServeRequest, max_tokens: int | None = None) -> RequestOutcome:
-        """One streamed request, timed from the moment it is sent."""
-        recorder = StreamRecorder(time.perf_counter(), request.prompt_len)
+    async def send(self, target: Target, request: ServeRequest, max_tokens: int | None = None,
+                   recorder: StreamRecorder | None = None) -> RequestOutcome:
+        """One streamed request, timed from the moment it is sent; a caller
+        that wants more than the outcome passes its own (sub)class of recorder."""
+        recorder = recorder or StreamRecorder(time.perf_counter(), request.prompt_len)
         try:
             async with self._session.post(target.url, json=target.body(request, max_tokens)) as resp:
                 if resp.status != 200:

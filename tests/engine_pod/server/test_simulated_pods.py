@@ -17,6 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from engine_pod.server.process import SimulatedPodsProcess, health_status
+from engine_pod.sim.step_profile import StepFeatures, StepTimeProfile
 from engine_pod.sim.tokens import simulated_output
 from kv_store.block_hash import hash_request_tokens
 from tessera.text import load_eos_token_ids
@@ -45,11 +46,16 @@ def test_every_pod_serves_the_prompts_own_tokens(sim_pods, tiny_llama):
 
 
 def test_steps_take_the_profiles_time(sim_pods):
-    # bench-cpu: about 70 ms a step plus 3.4 ms a prefill token: 6 tokens of a 40-token prompt
-    # take one 0.21 s prefill step and five 0.074 s decode steps, about 0.58 s.
+    """6 tokens of a 40-token prompt: one prefill step of 40 tokens, then
+    five steps decoding one sequence over a growing context; the request
+    takes their predicted sum (plus the scheduler, the server and gRPC)."""
+    profile = StepTimeProfile.load(PROFILE)
+    predicted = profile.predict(StepFeatures(40, 0, 0))
+    predicted += sum(profile.predict(StepFeatures(0, 1, 40 + i)) for i in range(5))
     start = time.monotonic()
     asyncio.run(generate_all(sim_pods.addresses[0], [greedy(list(range(900, 940)), 6, ignore_eos=True)]))
-    assert 0.5 < time.monotonic() - start < 2.0
+    elapsed = time.monotonic() - start
+    assert predicted < elapsed < predicted + 1.0, (elapsed, predicted)
 
 
 def test_load_reports_count_the_prefix_cache_and_the_pool(sim_pods):

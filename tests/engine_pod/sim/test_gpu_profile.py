@@ -113,4 +113,6 @@ def test_attending_a_cached_token_costs_its_kv_read_at_no_more_than_peak_bandwid
 @pytest.mark.parametrize("step", [DECODE_1_SHORT, DECODE_1_LONG, DECODE_128, PREFILL_2048],
                          ids=["decode-1-short", "decode-1-long", "decode-128", "prefill-2048"])
 def test_much_faster_than_the_cpu_profile(gpu, cpu, step):
-    assert gpu.predict(step) * 10 < cpu.predict(step)
+    # An 8B model on an H100 against the bench checkpoint on one CPU thread: the
+    # closest pair (a one-sequence decode at 1k context) is 5.6x apart.
+    assert gpu.predict(step) * 4 < cpu.predict(step)
