@@ -177,14 +177,26 @@ def test_subcommand_help_loads_only_that_subcommand():
     assert proc.returncode == 2 and "invalid choice: 'nosuch'" in proc.stderr
 
 
-@pytest.mark.parametrize("command", [["engine", "--help"], ["generate", "--model", "m", "--prompt", "x"]])
-def test_an_engine_command_without_torch_names_the_extra(command):
-    """In a control-plane install (no torch) an engine command exits 2 naming the extra,
-    not with a traceback; torch is made unimportable the way an absent one is."""
+def _without_torch(command: list[str]) -> subprocess.CompletedProcess:
+    """The CLI with torch made unimportable, the way an absent one is."""
     code = ("import sys; sys.modules['torch'] = None\n"
             "from tessera_tools.cli import main\n"
             f"sys.exit(main({command!r}))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+@pytest.mark.parametrize("command", [["engine", "--no-internal-auth", "--metrics-port", "0", "--grpc-port", "0"],
+                                     ["generate", "--prompt", "x"]])
+def test_an_engine_command_without_torch_names_the_extra(command, tiny_llama):
+    """In a control-plane install (no torch) a command that runs the model
+    exits 2 naming the extra, not with a traceback."""
+    proc = _without_torch([command[0], "--model", str(tiny_llama), *command[1:]])
     assert proc.returncode == 2, proc.stderr
     assert "needs the engine extra (pip install 'tessera[engine]'): torch is not installed" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_engine_command_itself_needs_no_torch():
+    """Its flags, and simulated pods (engine_pod/sim), need no torch: only running a model does."""
+    proc = _without_torch(["engine", "--help"])
+    assert proc.returncode == 0 and "--simulate PROFILE" in proc.stdout, proc.stderr
