@@ -392,6 +392,8 @@ def test_bounded_is_a_policy_with_defaults_and_score_stays_the_default():
     ({"load_candidates": -1}, "router.load_candidates must be >= 0"),
     ({"load_candidates": 1.5}, "router.load_candidates: expected int"),
     ({"affinity_candidates": 0, "load_candidates": 0}, "router.affinity_candidates . router.load_candidates must be"),
+    ({"affinity_bonus": -0.1}, "router.affinity_bonus must be >= 0"),
+    ({"affinity_bonus": "high"}, "router.affinity_bonus: expected float"),
 ])
 def test_bounded_knobs_are_validated(router, message):
     with pytest.raises(GatewayConfigError, match=message):
