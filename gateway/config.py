@@ -24,6 +24,10 @@ from tessera.roles import POD_ROLES
 # "round_robin": a baseline that ignores prefixes and load, for benchmarks
 # and A/B comparisons.
 ROUTER_POLICIES = ("score", "bounded", "round_robin")
+# Where the router learns which prompt blocks a pod holds: "query" asks the
+# scored pods per request (Engine.GetLoad); "pushed" reads what each pod
+# pushes on its load stream (gateway/pods/prefix_index.py), no call per request.
+PREFIX_MATCH_SOURCES = ("query", "pushed")
 # Each affinity candidate covers one more doubling of a prompt (the ladder
 # of gateway/router.py): 16 reach a 65536-fold growth, far past any context.
 MAX_AFFINITY_CANDIDATES = 16
@@ -161,6 +165,16 @@ class RouterConfig:
     # load report one request stale sends a new prefix to a load candidate,
     # which the prompt's next request does not ask: a miss.
     affinity_bonus: float = 0.1
+    # How the scored pods' prefix matches are learned (PREFIX_MATCH_SOURCES):
+    # "query" asks each scored pod per request, exact as of that instant;
+    # "pushed" reads the caches the pods push with their load reports, up to
+    # one load_interval_ms old, at no call per request. Pods without pushed
+    # keys (an older engine) match nothing under "pushed".
+    prefix_match: str = "query"
+    # bounded with prefix_match "pushed": also score this many of the least
+    # loaded pods holding the prompt's longest cached prefix (found in the
+    # pushed index without a pass over the fleet), wherever the ring placed it.
+    holder_candidates: int = 2
 
 
 @dataclass(frozen=True)
@@ -237,6 +251,10 @@ class GatewayConfig:
                f"router.affinity_candidates must be in [0, {MAX_AFFINITY_CANDIDATES}]")
         _check(self.router.load_candidates >= 0, "router.load_candidates must be >= 0")
         _check(self.router.affinity_bonus >= 0, "router.affinity_bonus must be >= 0")
+        _check(self.router.prefix_match in PREFIX_MATCH_SOURCES,
+               f"router.prefix_match: {self.router.prefix_match!r} is not one of {PREFIX_MATCH_SOURCES}")
+        _check(0 <= self.router.holder_candidates <= MAX_AFFINITY_CANDIDATES,
+               f"router.holder_candidates must be in [0, {MAX_AFFINITY_CANDIDATES}]")
         _check(self.router.affinity_candidates + self.router.load_candidates >= 1,
                "router.affinity_candidates + router.load_candidates must be >= 1")
         _check(self.disaggregation.min_uncached_tokens >= 0, "disaggregation.min_uncached_tokens must be >= 0")

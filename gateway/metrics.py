@@ -61,6 +61,9 @@ class GatewayMetrics:
             buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0), registry=r)
         self.queue_length = Gauge("tessera:gateway_queue_length", "Requests waiting in the admission queue",
                                   ["priority_class"], registry=r)
+        self.pushed_prefix_blocks = Gauge("tessera:gateway_pushed_prefix_blocks",
+                                          "Distinct prefix-cache blocks the engine pods pushed that some pod "
+                                          "holds (router.prefix_match: pushed; 0 otherwise)", registry=r)
         self.pods_routable = Gauge("tessera:gateway_pods_routable", "Engine pods taking requests", ["role"],
                                    registry=r)
 

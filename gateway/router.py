@@ -20,6 +20,16 @@ the weights.
 
 `score` (the default) asks every routable pod: one RPC per pod per request.
 
+Where `cached_fraction` comes from is `router.prefix_match`:
+
+- `query` (the default): an Engine.GetLoad to each scored pod, exact as of
+  that instant, one RPC per scored pod per request.
+- `pushed`: each pod pushes its prefix cache's contents as 64-bit block keys
+  on its load stream, the whole set and then the changes
+  (gateway/pods/prefix_index.py); the match is a few set lookups here, no
+  RPC, up to one `load_interval_ms` stale. `score` then knows every pod's
+  cache at the cost of a lookup per pod (the fleet benchmark's oracle).
+
 `round_robin` skips all of this (no prefix queries) and rotates through the
 routable pods: the baseline the routing benchmark compares the scorer against.
 
@@ -68,13 +78,19 @@ the fleet size, chosen without any state a replica would have to share:
   own dispatches, so replicas may differ here; they agree on where a prefix
   lives, the part that needs agreement. A prompt shorter than a block has
   load candidates only, and nothing to ask: no RPC at all.
+- Holder candidates (`prefix_match: pushed` only): the `holder_candidates`
+  least loaded pods holding the longest run of the prompt's leading blocks
+  that any pod holds, read from the pushed index (a dictionary lookup per
+  block and a bitmask of holders, not a pass over the fleet). A
+  conversation that its owners were too busy to take, or a tenant's system
+  prompt cached on pods the ring does not name, is still found.
 - The candidates come first, best first; a candidate ejected by its query
   (UNAVAILABLE) is left out. Then up to BOUNDED_FALLBACKS more of the least
   loaded pods, by their pushed load alone (no RPC): the fallbacks of the
   retry and failover code, as many as one request can try.
 - Cost: one pass over the pushed loads (a tuple per pod, a partial sort),
-  the ring lookups, and the k queries; the ring is rebuilt only when the set
-  of routable pods changes.
+  the ring lookups, and the k queries (none when pushed); the ring is
+  rebuilt only when the set of routable pods changes.
 """
 
 from __future__ import annotations
@@ -90,6 +106,7 @@ from gateway.config import AdmissionConfig, RouterConfig
 from gateway.hash_ring import HashRing
 from gateway.metrics import GatewayMetrics
 from gateway.pods import Pod, PodPool
+from kv_store.block_hash import block_key
 from tessera.v1 import engine_pb2 as epb
 
 _TIE_BREAK_SCALE = 1e-6
@@ -192,6 +209,8 @@ class Router:
         self._turn: dict[str, int] = {}
         # Bounded: the hash ring of the last pod set it routed over.
         self._ring: HashRing | None = None
+        # Prefix matches read from the pods' pushed caches (pool.prefix_index), not asked.
+        self._pushed = config.prefix_match == "pushed"
 
     async def rank(self, role: str, block_hashes: list[bytes], num_prompt_tokens: int,
                    key: bytes) -> list[ScoredPod]:
@@ -201,33 +220,56 @@ class Router:
             return []
         if self.config.policy == "round_robin":
             return self._rotate(role, pods)
+        keys = [block_key(h) for h in block_hashes] if self._pushed else []
         if self.config.policy == "bounded":
-            return await self._rank_bounded(pods, block_hashes, num_prompt_tokens, key)
-        matched = await self._query(pods, block_hashes)
+            return await self._rank_bounded(role, pods, block_hashes, keys, num_prompt_tokens, key)
+        matched = await self._match(pods, block_hashes, keys)
         return _best_first([self._scored(pod, blocks, num_prompt_tokens, tie_break(key, pod.address))
                             for pod, blocks in zip(pods, matched)])
 
-    async def _rank_bounded(self, pods: list[Pod], block_hashes: list[bytes], num_prompt_tokens: int,
-                            key: bytes) -> list[ScoredPod]:
-        """The bounded policy (module docstring): ask the candidates only,
+    async def _rank_bounded(self, role: str, pods: list[Pod], block_hashes: list[bytes], keys: list[int],
+                            num_prompt_tokens: int, key: bytes) -> list[ScoredPod]:
+        """The bounded policy (module docstring): score the candidates only,
         then append up to BOUNDED_FALLBACKS others ranked by pushed load.
         Nothing here hashes or scores every pod: a request costs the same
         at 16 pods and at 256, but for one pass over the pushed loads."""
         affinity = affinity_candidates(block_hashes, pods, self._ring_of(pods), self.config.affinity_candidates)
         chosen = {p.address for p in affinity}
+        holders = self._holders(role, keys, chosen, key)
+        chosen.update(p.address for p in holders)
         others = [p for p in pods if p.address not in chosen]
         by_load = least_loaded(others, self.config.load_candidates + BOUNDED_FALLBACKS, key)
         load, fallbacks = by_load[:self.config.load_candidates], by_load[self.config.load_candidates:]
-        candidates = affinity + load
+        candidates = affinity + holders + load
         bonus = self.config.affinity_bonus
         candidate_ties = [bonus + _affinity_tie(i, len(affinity)) for i in range(len(affinity))]
+        candidate_ties += [_load_tie(i, len(holders)) for i in range(len(holders))]
         candidate_ties += [_load_tie(i, len(load)) for i in range(len(load))]
-        matched = await self._query(candidates, block_hashes)
+        matched = await self._match(candidates, block_hashes, keys)
         ranked = [self._scored(pod, blocks, num_prompt_tokens, tie)
                   for pod, blocks, tie in zip(candidates, matched, candidate_ties) if pod.routable]
         rest = [self._scored(pod, 0, num_prompt_tokens, _load_tie(i, len(fallbacks)))
                 for i, pod in enumerate(fallbacks)]
         return _best_first(ranked) + _best_first(rest)
+
+    def note_routed(self, pods: list[Pod], block_hashes: list[bytes]) -> None:
+        """prefix_match pushed: the request goes to these pods (its pod, and
+        its prefill pod under P/D), so they count as holding its blocks
+        before their next push says so (gateway/pods/prefix_index.py)."""
+        if self._pushed and block_hashes:
+            keys = [block_key(h) for h in block_hashes]
+            for pod in pods:
+                self.pool.prefix_index.note_routed(pod.address, keys)
+
+    def _holders(self, role: str, keys: list[int], chosen: set[str], key: bytes) -> list[Pod]:
+        """bounded, pushed: the least loaded routable pods of `role` holding
+        the prompt's longest cached prefix, other than those `chosen`."""
+        if not keys or self.config.holder_candidates == 0:
+            return []
+        _, addresses = self.pool.prefix_index.deepest_holders(keys)
+        holding = [pod for a in addresses if a not in chosen and (pod := self.pool.pods.get(a)) is not None
+                   and pod.role == role and pod.routable]
+        return least_loaded(holding, self.config.holder_candidates, key)
 
     def _ring_of(self, pods: list[Pod]) -> HashRing:
         """The ring of these pods' addresses, rebuilt only when they change."""
@@ -249,11 +291,15 @@ class Router:
         rotated = pods[turn:] + pods[:turn]
         return [ScoredPod(pod, -float(i), 0) for i, pod in enumerate(rotated)]
 
-    async def _query(self, pods: list[Pod], block_hashes: list[bytes]) -> list[int]:
-        """Each pod's matched leading blocks, asked concurrently; no RPC for
-        a prompt shorter than a block."""
+    async def _match(self, pods: list[Pod], block_hashes: list[bytes], keys: list[int]) -> list[int]:
+        """Each pod's matched leading blocks: from what it pushed (no RPC)
+        under prefix_match "pushed", else asked concurrently; no RPC for a
+        prompt shorter than a block."""
         if not block_hashes:
             return [0] * len(pods)
+        if self._pushed:
+            index = self.pool.prefix_index
+            return [index.matched_blocks(p.address, keys) for p in pods]
         if len(pods) == 1:
             return [await self._matched_blocks(pods[0], block_hashes)]
         return list(await asyncio.gather(*(self._matched_blocks(p, block_hashes) for p in pods)))

@@ -78,6 +78,7 @@ class Gateway:
             # queues: the operator lifts a pool from zero on this demand.
             self.metrics.queue_length.labels(pclass.name).set_function(
                 lambda name=pclass.name: self.admission.queue_len_by_class().get(name, 0))
+        self.metrics.pushed_prefix_blocks.set_function(self.pool.prefix_index.num_keys)
         self._refresh_capacity()  # no pod has been seen yet: with queue_without_pods, requests queue
 
     def _on_pool_change(self) -> None:
@@ -217,6 +218,7 @@ class Gateway:
             span.set_attribute("tessera.prefix_hit_tokens", plan.matched_tokens)
             span.set_attribute("tessera.disaggregated", bool(plan.prefill_candidates))
             self.metrics.prefix_hit_tokens.labels(plan.candidates[0].address).inc(plan.matched_tokens)
+            self.router.note_routed(plan.candidates[:1] + plan.prefill_candidates[:1], hashes)
             return plan
 
     async def _ranked_plan(self, hashes: list[bytes], num_tokens: int, key: bytes) -> Plan:

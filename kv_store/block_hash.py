@@ -27,6 +27,20 @@ DEFAULT_BLOCK_SIZE = 16
 # below must change this seed so stale stored blocks can never be matched.
 NONE_HASH: BlockHash = hashlib.sha256(b"tessera-block-hash-v1").digest()
 
+# Bytes of a block hash in its block key (block_key).
+BLOCK_KEY_BYTES = 8
+
+
+def block_key(block_hash: BlockHash) -> int:
+    """A block hash's first 8 bytes as an unsigned int: how pods push their
+    prefix cache's contents to the gateways (Engine.StreamLoad) and how the
+    gateway looks a prompt's blocks up in them. 64 bits keep a pod's whole
+    cache small on the wire and in the gateway's memory; two blocks sharing a
+    key (odds about n**2 / 2**65 for n cached blocks) can only mislead a
+    routing choice, never the KV a request reads, which the pod matches by
+    the full hash."""
+    return int.from_bytes(block_hash[:BLOCK_KEY_BYTES], "big")
+
 
 def _encode_extra_keys(extra_keys: Sequence[object]) -> bytes:
     """Length-prefixed, type-tagged encoding so ("ab",) and ("a","b") differ."""

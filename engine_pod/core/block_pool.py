@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from engine_pod.core.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
+from engine_pod.core.prefix_cache_keys import PrefixCacheKeyLog
 from kv_store.block_hash import BlockHash
 
 
@@ -17,7 +18,7 @@ class BlockPool:
     prefix-cache hit on a free block takes it out of the queue (revival).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, key_log: PrefixCacheKeyLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -27,6 +28,8 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         # Called with a block about to lose its cached KV (the KV store's offload hook).
         self.on_evict: Callable[[KVCacheBlock], None] | None = None
+        # Told of every hash entering and leaving the cache (pushed to the gateways by StreamLoad).
+        self.key_log = key_log
 
     # -- prefix cache -----------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
@@ -53,6 +56,8 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
+            if self.key_log is not None:
+                self.key_log.stored(block_hash)
 
     # -- allocation -------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -68,14 +73,21 @@ class BlockPool:
             return
         if self.on_evict is not None:
             self.on_evict(block)
-        del self.cached_block_hash_to_block[block.block_hash]
-        block.block_hash = None
+        self._forget(block)
 
     def uncache_block(self, block: KVCacheBlock) -> None:
         """Withdraw a block from the prefix cache without offloading it."""
         if block.block_hash is not None:
-            del self.cached_block_hash_to_block[block.block_hash]
-            block.block_hash = None
+            self._forget(block)
+
+    def _forget(self, block: KVCacheBlock) -> None:
+        """Take a cached block (its hash set) out of the prefix cache."""
+        block_hash = block.block_hash
+        assert block_hash is not None, block
+        del self.cached_block_hash_to_block[block_hash]
+        if self.key_log is not None:
+            self.key_log.removed(block_hash)
+        block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks, reviving free ones."""
@@ -101,6 +113,8 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.key_log is not None:
+            self.key_log.cleared()
         return True
 
     # -- accounting -------------------------------------------------------

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from engine_pod.core.block_pool import BlockPool
 from engine_pod.core.kv_cache_block import KVCacheBlock
+from engine_pod.core.prefix_cache_keys import PrefixCacheKeyLog
 from engine_pod.request import Request
 from kv_store.block_hash import BlockHash
 
@@ -35,8 +36,9 @@ class KVCacheManager:
     and how many of a request's leading blocks are registered in the prefix
     cache (``num_cached_blocks``). Called by the Scheduler on the engine
     thread (lookups on admission, allocate_slots every step, free on finish
-    and preemption); ``num_cached_prefix_blocks`` also by the pod's load
-    report from the event-loop thread, read only.
+    and preemption); ``num_cached_prefix_blocks`` and ``prefix_cache_keys``
+    (thread-safe) also by the pod's load reports from the event-loop thread,
+    read only.
 
     Invariants: a request's blocks hold at least its computed plus scheduled
     tokens (slots of rejected drafts stay allocated for the next step); a
@@ -51,7 +53,9 @@ class KVCacheManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        # The cache's block keys, read by the pod's StreamLoad from the event-loop thread.
+        self.prefix_cache_keys = PrefixCacheKeyLog()
+        self.block_pool = BlockPool(num_blocks, enable_caching, self.prefix_cache_keys)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered in the cache.
         self.num_cached_blocks: dict[str, int] = {}

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from engine_pod.config import EngineConfig
 from engine_pod.core.kv_cache_manager import KVCacheManager
 from engine_pod.core.kv_connector import KVConnectorScheduler
+from engine_pod.core.prefix_cache_keys import PrefixCacheKeyLog
 from engine_pod.core.scheduler import Scheduler
 from engine_pod.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from engine_pod.core.stats import EngineTotals, SchedulerStats
@@ -42,8 +43,9 @@ class EngineCore:
     and the grammar manager; shuts them all down. Called by the offline LLM
     (entrypoints/llm.py) and, in a pod, by the AsyncEngine's loop
     (server/async_engine.py), always from one thread; only
-    ``num_cached_prefix_blocks`` and the fixed ``num_blocks`` and
-    ``block_size`` may be read from another (the pod's load report).
+    ``num_cached_prefix_blocks``, ``prefix_cache_keys`` and the fixed
+    ``num_blocks`` and ``block_size`` may be read from another (the pod's
+    load reports).
 
     Invariants: the KV pool holds at least one max_model_len sequence (a
     start-up error otherwise), so a step that schedules nothing while
@@ -111,6 +113,11 @@ class EngineCore:
         """How many leading blocks of ``block_hashes`` this engine's prefix
         cache holds right now; safe from another thread (KVCacheManager)."""
         return self.scheduler.kv_cache_manager.num_cached_prefix_blocks(block_hashes)
+
+    @property
+    def prefix_cache_keys(self) -> PrefixCacheKeyLog:
+        """The prefix cache's block keys and their changes; thread-safe."""
+        return self.scheduler.kv_cache_manager.prefix_cache_keys
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

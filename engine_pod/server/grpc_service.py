@@ -19,6 +19,7 @@ from engine_pod.server.async_engine import (
 )
 from engine_pod.server.convert import request_from_proto, response_from_output
 from engine_pod.server.metrics import EngineMetrics
+from engine_pod.server.prefix_cache_feed import PrefixCacheFeed
 from tessera.tracing import parent_context, tracer
 from tessera.v1 import engine_pb2 as pb
 from tessera.v1 import engine_pb2_grpc as pb_grpc
@@ -126,8 +127,16 @@ class EngineService(pb_grpc.EngineServicer):
         if request.interval_ms < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "interval_ms must be >= 0")
         interval = (request.interval_ms or 1000) / 1000
+        feed = PrefixCacheFeed() if request.prefix_cache_keys else None
         while True:
-            yield self._load_report(request)
+            if feed is None:
+                yield self._load_report(request)
+            else:
+                # A set too large for one report continues in the next ones, sent at once.
+                for keys in feed.next_messages(self.engine.core.prefix_cache_keys if self.engine else None):
+                    report = self._load_report(request)
+                    report.prefix_cache.CopyFrom(keys)
+                    yield report
             await asyncio.sleep(interval)
 
 

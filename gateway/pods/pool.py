@@ -21,6 +21,7 @@ from gateway.config import AdmissionConfig, RouterConfig
 from gateway.loop_lag import LoopLag
 from gateway.pods.deadline import NoProgress, ProgressDeadline
 from gateway.pods.pod import Pod
+from gateway.pods.prefix_index import PrefixIndex
 from tessera.internal_channel import InternalClient
 from tessera.v1 import engine_pb2 as epb
 
@@ -41,6 +42,9 @@ class PodPool:
         self.loop_lag = loop_lag
         self.pods: dict[str, Pod] = {}
         self._watchers: dict[str, asyncio.Task] = {}
+        # The pods' pushed prefix caches (router.prefix_match "pushed"; empty otherwise).
+        self.prefix_index = PrefixIndex()
+        self._pushed_keys = router_config.prefix_match == "pushed"
 
     # -- membership ------------------------------------------------------
     def set_members(self, role: str, addresses: list[str]) -> None:
@@ -53,6 +57,7 @@ class PodPool:
             if address not in self.pods:
                 pod = Pod(address, role, self.client)
                 self.pods[address] = pod
+                self.prefix_index.add(address)
                 self._watchers[address] = asyncio.get_running_loop().create_task(self._watch(pod))
                 logger.info("pool: added %s pod %s", role, address)
         self.on_change()
@@ -62,6 +67,7 @@ class PodPool:
         when it leaves the Service), bounded by the stream idle timeout."""
         pod = self.pods.pop(address)
         self._watchers.pop(address).cancel()
+        self.prefix_index.remove(address)
         pod.eject()  # plans made before it left skip it on a retry
         asyncio.get_running_loop().create_task(pod.close_when_idle(self.router_config.stream_idle_timeout_s))
         logger.info("pool: removed %s pod %s", pod.role, address)
@@ -121,7 +127,9 @@ class PodPool:
         while True:
             call = None
             try:
-                call = pod.stub.StreamLoad(epb.LoadRequest(interval_ms=interval))
+                # A new stream pushes the whole set again: what the last one said is dropped.
+                self.prefix_index.clear(pod.address)
+                call = pod.stub.StreamLoad(epb.LoadRequest(interval_ms=interval, prefix_cache_keys=self._pushed_keys))
                 await self._read_reports(pod, call)
             except asyncio.CancelledError:
                 raise
@@ -149,6 +157,10 @@ class PodPool:
         deadline = ProgressDeadline(self.router_config.load_timeout_s, "load report", self.loop_lag)
         while (report := await deadline.read(call)) is not grpc.aio.EOF:
             was_routable = pod.routable
+            if report.HasField("prefix_cache"):
+                if self._pushed_keys:
+                    self.prefix_index.apply(pod.address, report.prefix_cache, report.num_kv_blocks)
+                report.ClearField("prefix_cache")  # applied: the kept report stays small
             pod.on_report(report)
             if not was_routable and pod.routable:
                 logger.info("pool: %s pod %s is serving", pod.role, pod.address)

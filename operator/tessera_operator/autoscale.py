@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from tessera_operator.crd_engine import POOL_NAMES
 
 TARGET_FIELDS = {"queue": "targetQueuePerReplica", "ttft": "targetTTFTSeconds",
-                 "itl": "targetITLSeconds", "kvUsage": "targetKVUsage"}
+                 "itl": "targetITLSeconds", "kvUsage": "targetKVUsage",
+                 "concurrency": "targetConcurrencyPerReplica"}
 
 
 @dataclass(frozen=True)

@@ -111,9 +111,9 @@ def autoscaling_schema() -> Schema:
     return obj("Autoscaling of the engine pools from their metrics.", {
         "enabled": boolean("Let the operator set the pools' replicas (false: each pool runs its `replicas`).",
                            default=True),
-        "mixed": _scaling("mixed", ["queue", "ttft", "itl", "kvUsage"], "queue"),
-        "prefill": _scaling("prefill", ["queue", "ttft"], "queue"),
-        "decode": _scaling("decode", ["itl", "kvUsage"], "kvUsage"),
+        "mixed": _scaling("mixed", ["queue", "ttft", "itl", "kvUsage", "concurrency"], "queue"),
+        "prefill": _scaling("prefill", ["queue", "ttft", "concurrency"], "queue"),
+        "decode": _scaling("decode", ["itl", "kvUsage", "concurrency"], "kvUsage"),
     }, default={})
 
 
@@ -131,6 +131,12 @@ def _scaling(role: str, signals: list[str], default_signal: str) -> Schema:
     if "kvUsage" in signals:
         targets["targetKVUsage"] = number(
             "kvUsage: mean fraction of KV blocks in use across ready pods.", default=0.8, minimum=0.05, maximum=1)
+    if "concurrency" in signals:
+        targets["targetConcurrencyPerReplica"] = number(
+            "concurrency: requests in flight (running and waiting on the pods, plus those queued at the gateway) "
+            "per ready pod, proportional to the load (Little's law). Set it to the batch one pod serves within "
+            "its SLO, a share of engine.maxNumSeqs; the default 8 is a small batch (the fleet benchmark's "
+            "decode batch per pod).", default=8, minimum=0.1)
     return obj(f"Autoscaling of the {role} pool.", {
         "signal": string("The metric this pool scales on; its target is the matching target field.",
                          enum=signals, default=default_signal),

@@ -39,7 +39,7 @@ def gateway_queued(api: ClusterApi, owner: Owner) -> int:
     """Requests the gateway pods hold in their admission queues, summed over gateway replicas.
 
     The gateway does not split its queue by pool; every request needs the pool(s) on its path,
-    so queued demand counts for each pool (it matters only to lift a pool from zero).
+    so queued demand counts for each pool: it lifts a pool from zero, and is part of its concurrency.
     """
     ready = [p for p in api.list_pods(owner.namespace, names.gateway_selector(owner)) if pods.is_ready(p)]
     texts = _scrape_ready(api, ready, GATEWAY_METRICS_PORT)
@@ -52,7 +52,7 @@ def observe_pool(api: ClusterApi, owner: Owner, role: str, replicas: int, signal
     ready = [p for p in all_pods if pods.is_ready(p)]
     starting = [p for p in all_pods if pods.is_starting(p)]
     samples = {name: signals.parse_pod_metrics(text) for name, text in _scrape_ready(api, ready, METRICS_PORT).items()}
-    pool = signals.pool_signals(samples, memory.samples.get(role, {}))
+    pool = signals.pool_signals(samples, memory.samples.get(role, {}), gateway_queued=queued)
     memory.samples[role] = samples
     return PoolObservation(replicas=replicas, ready=len(ready), pending=len(starting), signal=pool.value(signal),
                            busy=pool.busy, gateway_queued=queued)

@@ -4,6 +4,12 @@ Latency signals are means over the last interval: the difference of the
 histograms' _sum and _count between two scrapes, summed over the pool's
 ready pods. A pod seen for the first time, or whose counters went down
 (it restarted), contributes its whole history since start.
+
+Concurrency is the load signal proper: requests in flight per ready pod
+(running and waiting on the pods, plus those the gateway still holds), which
+by Little's law (in flight = arrival rate x time in system) grows in
+proportion to the load, where an engine's waiting queue stays near 0 while
+it admits requests into its batch.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class PoolSignals:
     ttft: float | None       # mean TTFT over the interval (s)
     itl: float | None        # mean inter-token latency over the interval (s)
     kvUsage: float | None    # noqa: N815 - named as the CRD's signal
+    concurrency: float | None  # requests in flight (running + waiting + gateway-queued) per ready pod
     busy: bool
 
     def value(self, signal: str) -> float | None:
@@ -85,15 +92,23 @@ def _interval_mean(current: dict[str, PodSample], previous: dict[str, PodSample]
     return total_sum / total_count if total_count > 0 else None
 
 
-def pool_signals(current: dict[str, PodSample], previous: dict[str, PodSample]) -> PoolSignals:
-    """Signals of a pool from its ready pods' samples (keyed by pod name) now and one interval ago."""
+def pool_signals(current: dict[str, PodSample], previous: dict[str, PodSample],
+                 gateway_queued: int = 0) -> PoolSignals:
+    """Signals of a pool from its ready pods' samples (keyed by pod name) now and one interval ago.
+
+    `gateway_queued`: requests the gateways hold in their admission queues (parse_gateway_queued,
+    summed over replicas). They are demand on this pool not yet on its pods, so concurrency counts
+    them; at zero ready pods every signal is None and only `decide()`'s scale from zero uses them.
+    """
     if not current:
-        return PoolSignals(queue=None, ttft=None, itl=None, kvUsage=None, busy=False)
+        return PoolSignals(queue=None, ttft=None, itl=None, kvUsage=None, concurrency=None, busy=False)
     n = len(current)
+    in_flight = sum(s.running + s.waiting for s in current.values()) + gateway_queued
     return PoolSignals(
         queue=sum(s.waiting for s in current.values()) / n,
         ttft=_interval_mean(current, previous, "ttft"),
         itl=_interval_mean(current, previous, "itl"),
         kvUsage=sum(s.kv_usage for s in current.values()) / n,
+        concurrency=in_flight / n,
         busy=any(s.waiting + s.running > 0 for s in current.values()),
     )

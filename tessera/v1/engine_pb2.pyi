@@ -131,15 +131,27 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("block_hashes", "interval_ms")
+    __slots__ = ("block_hashes", "interval_ms", "prefix_cache_keys")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_KEYS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     interval_ms: int
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., interval_ms: _Optional[int] = ...) -> None: ...
+    prefix_cache_keys: bool
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., interval_ms: _Optional[int] = ..., prefix_cache_keys: _Optional[bool] = ...) -> None: ...
+
+class PrefixCacheKeys(_message.Message):
+    __slots__ = ("reset", "stored", "removed")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "kv_cache_usage", "num_kv_blocks", "num_free_kv_blocks", "block_size", "matched_prefix_blocks", "serving", "stalled")
+    __slots__ = ("role", "num_running", "num_waiting", "kv_cache_usage", "num_kv_blocks", "num_free_kv_blocks", "block_size", "matched_prefix_blocks", "serving", "stalled", "prefix_cache")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +162,7 @@ class LoadReport(_message.Message):
     MATCHED_PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     STALLED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_waiting: int
@@ -160,4 +173,5 @@ class LoadReport(_message.Message):
     matched_prefix_blocks: int
     serving: bool
     stalled: bool
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., matched_prefix_blocks: _Optional[int] = ..., serving: _Optional[bool] = ..., stalled: _Optional[bool] = ...) -> None: ...
+    prefix_cache: PrefixCacheKeys
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., matched_prefix_blocks: _Optional[int] = ..., serving: _Optional[bool] = ..., stalled: _Optional[bool] = ..., prefix_cache: _Optional[_Union[PrefixCacheKeys, _Mapping]] = ...) -> None: ...

@@ -7,6 +7,7 @@ routed around without losing a request. The big fleets (16-256 pods) are
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import grpc
@@ -39,10 +40,21 @@ def _complete(stub, prompt: list[int], max_tokens: int) -> pb.CompletionResult:
                               metadata=AUTH, timeout=30)
 
 
+def wait_for(predicate, timeout: float) -> bool:
+    """Whether `predicate()` holds within `timeout` seconds (polled)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 PROMPTS = [[100 * g + i for i in range(96)] + [7000 + 10 * g + r] * 4 for g in range(4) for r in range(4)]
 
 
-def _grouped_prefixes(tiny_llama, tmp_path, profile, **router) -> tuple[int, list[list[int]], float]:
+def _grouped_prefixes(tiny_llama, tmp_path, profile, index_blocks: int = 0,
+                      **router) -> tuple[int, list[list[int]], float]:
     """Four prefixes of six blocks, four requests each, prefix after prefix
     (round robin then sends each prefix's requests to four different pods).
     Returns the cached tokens, the outputs and the prefix queries sent."""
@@ -57,6 +69,11 @@ def _grouped_prefixes(tiny_llama, tmp_path, profile, **router) -> tuple[int, lis
                 stub = pb_grpc.InferenceStub(channel)
                 results = [_complete(stub, p, 3) for p in PROMPTS]
             queries = metric_sum(gw.metrics_url, "tessera:gateway_prefix_queries_total")
+            # The distinct blocks the pods pushed (0 unless router.prefix_match is pushed), once the
+            # last request's blocks have been pushed (a report every 50 ms).
+            assert wait_for(lambda: metric_sum(gw.metrics_url, "tessera:gateway_pushed_prefix_blocks")
+                            == index_blocks, timeout=5), metric_sum(gw.metrics_url,
+                                                                    "tessera:gateway_pushed_prefix_blocks")
             # Every request's dispatch is timed once, in well under the 2 s the slowest bucket allows.
             assert metric_sum(gw.metrics_url, "tessera:gateway_dispatch_seconds_count") == len(PROMPTS)
             assert metric_sum(gw.metrics_url, "tessera:gateway_dispatch_seconds_bucket", le="1.0") == len(PROMPTS)
@@ -87,6 +104,21 @@ def test_the_bounded_policy_finds_the_prefix_asking_two_pods(tiny_llama, tmp_pat
     assert cached == 4 * 3 * 96
     assert outputs == [expected(p, 3) for p in PROMPTS]
     assert queries <= 2 * len(PROMPTS)
+
+
+def test_pushed_prefix_caches_route_without_a_query(tiny_llama, tmp_path, expected, fast_sim_profile):
+    """router.prefix_match pushed: the pods' load streams carry their caches,
+    the gateway's index holds each prefix's six blocks (4 x 6 distinct
+    blocks: 100 prompt + 3 output tokens fill six) and the warm-up block
+    every pod caches at start (engine_pod/server/main.py), and no prefix
+    query is sent."""
+    for policy in ("bounded", "score"):
+        cached, outputs, queries = _grouped_prefixes(tiny_llama, tmp_path / policy, fast_sim_profile,
+                                                     policy=policy, prefix_match="pushed",
+                                                     index_blocks=4 * 6 + 1)
+        assert cached == 4 * 3 * 96
+        assert outputs == [expected(p, 3) for p in PROMPTS]
+        assert queries == 0
 
 
 async def _stream(stub, prompt: list[int], max_tokens: int) -> dict:

@@ -185,6 +185,16 @@ def test_scale_from_zero_respects_min_and_max():
     assert decide(p, idle, ScalerState(), 0.0).replicas == 0
 
 
+def test_concurrency_recommends_in_proportion_to_the_requests_in_flight():
+    p = policy(signal="concurrency", target=8.0)
+    obs = PoolObservation(replicas=2, ready=2, pending=0, signal=16.0, busy=True)
+    assert recommend(p, obs) == (4, "concurrency 16 vs target 8 (ratio 2.00)")  # ceil(2 x 16/8)
+    assert decide(p, obs, ScalerState(), 0.0).replicas == 4
+    # Demand queued at the gateway counts before any pod runs it: no running requests, still up.
+    queued = PoolObservation(replicas=1, ready=1, pending=0, signal=20.0, busy=False, gateway_queued=20)
+    assert recommend(p, queued)[0] == 3
+
+
 def test_tolerance_band_holds_replicas():
     p = policy(tolerance=0.1)
     obs = PoolObservation(replicas=4, ready=4, pending=0, signal=4.3, busy=True)
@@ -240,7 +250,19 @@ def test_policy_from_spec():
     assert ScalingPolicy.from_spec(spec, "prefill").signal == "queue"
 
 
-@pytest.mark.parametrize("signal,target", [("queue", 4.0), ("ttft", 1.0), ("itl", 0.05), ("kvUsage", 0.8)])
+@pytest.mark.parametrize("role", ["mixed", "prefill", "decode"])
+def test_policy_from_spec_on_concurrency(role):
+    mode = "mixed" if role == "mixed" else "disaggregated"
+    spec = validated(make_isvc({"mode": mode, "autoscaling": {role: {"signal": "concurrency"}}}))["spec"]
+    p = ScalingPolicy.from_spec(spec, role)
+    assert (p.signal, p.target) == ("concurrency", 8.0)  # the CRD's default target
+    spec = validated(make_isvc({"mode": mode, "autoscaling": {role: {"signal": "concurrency",
+                                                                     "targetConcurrencyPerReplica": 24}}}))["spec"]
+    assert ScalingPolicy.from_spec(spec, role).target == 24.0
+
+
+@pytest.mark.parametrize("signal,target", [("queue", 4.0), ("ttft", 1.0), ("itl", 0.05), ("kvUsage", 0.8),
+                                           ("concurrency", 8.0)])
 def test_every_signal_scales_the_same_way(signal, target):
     pool = SimPool(policy(signal=signal, target=target), capacity=1.0, replicas=1)
     history = run(pool, [3] * 10)

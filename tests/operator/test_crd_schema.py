@@ -111,9 +111,19 @@ def test_defaults_are_applied():
     assert spec["engine"]["blockSize"] == DEFAULT_BLOCK_SIZE == 16 and spec["engine"]["prefixCaching"] is True
     assert spec["pools"]["mixed"] == {"replicas": 1, "minReplicas": 1, "maxReplicas": 4, "resources": {}}
     assert spec["autoscaling"]["decode"]["signal"] == "kvUsage"
+    assert spec["autoscaling"]["mixed"]["signal"] == spec["autoscaling"]["prefill"]["signal"] == "queue"
+    assert spec["autoscaling"]["mixed"]["targetConcurrencyPerReplica"] == 8
     assert spec["gateway"]["priorityClasses"][0]["name"] == spec["gateway"]["defaultPriorityClass"] == "standard"
     # The defaulted object is itself valid for the reference validator.
     assert reference_errors(out) == []
+
+
+@pytest.mark.parametrize("role", ["mixed", "prefill", "decode"])
+def test_every_pool_may_scale_on_concurrency(role):
+    obj = make_isvc({"autoscaling": {role: {"signal": "concurrency", "targetConcurrencyPerReplica": 12.5}}})
+    scaling = validate_inference_service(obj)["spec"]["autoscaling"][role]
+    assert (scaling["signal"], scaling["targetConcurrencyPerReplica"]) == ("concurrency", 12.5)
+    assert reference_errors(obj) == []
 
 
 def test_input_is_not_modified():
@@ -133,6 +143,9 @@ INVALID = [
     ("bad quantity", {"kvStore": {"hostMemory": "lots"}}, "spec.kvStore.hostMemory", True),
     ("decode cannot scale on ttft", {"autoscaling": {"decode": {"signal": "ttft"}}},
      "spec.autoscaling.decode.signal", True),
+    ("concurrency target below its minimum",
+     {"autoscaling": {"decode": {"signal": "concurrency", "targetConcurrencyPerReplica": 0.05}}},
+     "spec.autoscaling.decode.targetConcurrencyPerReplica", True),
     ("zero weight", {"gateway": {"priorityClasses": [{"name": "a", "priority": 1, "weight": 0}],
                                  "defaultPriorityClass": "a"}}, "spec.gateway.priorityClasses[0].weight", True),
     ("unknown attention backend", {"engine": {"attentionBackend": "flash"}}, "spec.engine.attentionBackend", True),

@@ -222,6 +222,18 @@ def test_timer_scales_decode_on_kv_usage_and_leaves_prefill(cluster, events):
     assert len([e for e in events() if e[1] == "ScaleUp"]) == 1
 
 
+def test_timer_scales_on_concurrency_with_the_gateways_queue(cluster, events):
+    body = make_isvc({"pools": {"mixed": {"replicas": 2, "maxReplicas": 8}},
+                      "autoscaling": {"mixed": {"signal": "concurrency"}}})
+    body = with_status(body, call(on_change, body, cluster))
+    engine = ENGINE_METRICS.format(waiting=1, running=6, kv=0.3)  # nothing much waits on the pods
+    _serve(cluster, body, "mixed", [(pod("m-0", "10.0.0.1"), engine), (pod("m-1", "10.0.0.2"), engine)], queued=18)
+    call(on_tick, body, cluster, memo=kopf.Memo(api=cluster))
+    assert cluster.deployment("ml", "llama-engine")["spec"]["replicas"] == 4  # ceil(2 x ((7 + 7 + 18) / 2) / 8)
+    (event,) = [e for e in events() if e[1] == "ScaleUp"]
+    assert event[2].startswith("mixed pool 2 -> 4: concurrency 16 vs target 8")
+
+
 def test_timer_lifts_a_pool_from_zero_on_gateway_demand(cluster, events):
     body = make_isvc({"pools": {"mixed": {"replicas": 0, "minReplicas": 0}}})
     patch = call(on_change, body, cluster)

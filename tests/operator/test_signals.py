@@ -55,9 +55,23 @@ def test_pool_aggregates_and_restarted_pods():
     assert s.value("queue") == 2.0
 
 
+def test_concurrency_is_requests_in_flight_per_ready_pod_gateway_queue_included():
+    m = EngineMetrics("llama")
+    m.on_step(stats(waiting=3, running=5, kv=0.6))  # a real export: 8 in flight on pod a
+    current = {"a": parse_pod_metrics(engine_text(m)), "b": PodSample(waiting=1, running=6)}
+    assert pool_signals(current, {}).concurrency == pytest.approx((8 + 7) / 2)
+    s = pool_signals(current, {}, gateway_queued=5)  # held at the gateway: demand not yet on a pod
+    assert s.concurrency == pytest.approx((8 + 7 + 5) / 2) and s.value("concurrency") == s.concurrency
+    assert s.queue == 2.0, "the gateway's queue is not the pods' waiting queue"
+    idle = pool_signals({"a": PodSample(), "b": PodSample()}, {})
+    assert idle.concurrency == 0.0 and not idle.busy
+
+
 def test_empty_pool_has_no_signal():
     s = pool_signals({}, {})
-    assert (s.queue, s.ttft, s.itl, s.kvUsage, s.busy) == (None, None, None, None, False)
+    assert (s.queue, s.ttft, s.itl, s.kvUsage, s.concurrency, s.busy) == (None, None, None, None, None, False)
+    # At zero ready pods gateway demand is no signal: decide() lifts the pool from zero on it instead.
+    assert pool_signals({}, {}, gateway_queued=7).concurrency is None
 
 
 def test_gateway_queue_sums_priority_classes():

@@ -57,7 +57,7 @@ def non_negative_float(text: str) -> float:
 
 
 SCENARIOS = ("routing", "autoscale", "faults")
-SCALE_SIGNALS = ("queue", "ttft", "itl", "kvUsage")  # the CRD's signals of a mixed pool
+SCALE_SIGNALS = ("queue", "ttft", "itl", "kvUsage", "concurrency")  # the CRD's signals of a mixed pool
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -123,7 +123,7 @@ def add_parser(kinds) -> None:
                           help="autoscale: the pool's signal (the operator's)")
     scenario.add_argument("--scale-target", type=positive_float, default=None,
                           help="autoscale: the signal's target (default: the CRD's: queue 4, ttft 1.0 s, itl 0.05 s, "
-                               "kvUsage 0.8)")
+                               "kvUsage 0.8, concurrency 8)")
     scenario.add_argument("--min-replicas", type=non_negative_int, default=1,
                           help="autoscale: fewest pods (0: scale from zero, the gateways queue meanwhile)")
     scenario.add_argument("--max-replicas", type=positive_int, default=8,

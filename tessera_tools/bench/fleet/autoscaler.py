@@ -8,8 +8,9 @@ The observation is built as observe_pool builds it: the ready pods'
 the previous tick's samples (latency signals are interval means), ready and
 pending (starting) counts, `busy`, and the requests the gateways hold in
 their admission queues (`parse_gateway_queued`, summed over replicas: the
-only signal at zero pods). A pod or gateway that does not answer a scrape
-is left out, as the operator leaves it out.
+only signal at zero pods, and passed to `pool_signals` as part of the
+`concurrency` signal). A pod or gateway that does not answer a scrape is
+left out, as the operator leaves it out.
 """
 
 from __future__ import annotations
@@ -53,13 +54,14 @@ class Autoscaler:
         """Per tick: the observation, the decision, the pool's counts."""
 
     def observe(self) -> PoolObservation:
+        # The gateways first, as the operator's tick scrapes them before the pools.
+        gateways = _scrape_all(self.fetch, dict(enumerate(self.gateway_metrics_urls)))
+        queued = sum(parse_gateway_queued(text) for text in gateways.values())
         ready = self.pool.in_state("ready")
         texts = _scrape_all(self.fetch, {p.handle.address: p.handle.metrics_url for p in ready})
         samples = {name: parse_pod_metrics(text) for name, text in texts.items()}
-        signals = pool_signals(samples, self.memory)
+        signals = pool_signals(samples, self.memory, gateway_queued=queued)
         self.memory = samples
-        gateways = _scrape_all(self.fetch, dict(enumerate(self.gateway_metrics_urls)))
-        queued = sum(parse_gateway_queued(text) for text in gateways.values())
         return PoolObservation(replicas=self.replicas, ready=len(ready), pending=len(self.pool.in_state("starting")),
                                signal=signals.value(self.policy.signal), busy=signals.busy, gateway_queued=queued)
 

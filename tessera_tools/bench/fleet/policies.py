@@ -21,10 +21,6 @@ class Policy:
     """How the name maps to the gateway, for the report."""
 
 
-# An oracle waits for every pod's answer, however long: its routing cost is
-# not the point, its hit rate is the ceiling the others are measured against.
-ORACLE_QUERY_TIMEOUT_MS = 600_000
-
 POLICIES: dict[str, Policy] = {
     "round_robin": Policy({"policy": "round_robin"}, "gateway policy round_robin: no prefix queries, no load"),
     "least_loaded": Policy(
@@ -34,12 +30,18 @@ POLICIES: dict[str, Policy] = {
         "still sends that one pod a prefix query per request (not used for the choice)"),
     "score": Policy({"policy": "score", "prefix_query_timeout_ms": 50},
                     "gateway policy score: asks EVERY pod its prefix match per request, 50 ms timeout"),
-    "bounded": Policy({"policy": "bounded", "affinity_candidates": 2, "load_candidates": 2},
-                      "gateway policy bounded: asks 2 affinity (rendezvous) + 2 least-loaded pods per request"),
-    "oracle": Policy({"policy": "score", "prefix_query_timeout_ms": ORACLE_QUERY_TIMEOUT_MS},
-                     f"gateway policy score with a {ORACLE_QUERY_TIMEOUT_MS} ms prefix query timeout: learns every "
-                     "pod's exact cache per request however long it takes; its hit rate is the ceiling, its cost "
-                     "is not the point"),
+    "bounded_query": Policy({"policy": "bounded", "affinity_candidates": 2, "load_candidates": 2},
+                            "gateway policy bounded, prefix_match query: asks 2 affinity (hash ring) + 2 "
+                            "least-loaded pods per request"),
+    "bounded": Policy({"policy": "bounded", "affinity_candidates": 2, "load_candidates": 2,
+                       "holder_candidates": 2, "prefix_match": "pushed"},
+                      "gateway policy bounded, prefix_match pushed: scores 2 affinity (hash ring) + 2 holders of "
+                      "the longest cached prefix + 2 least-loaded pods from what the pods push on their load "
+                      "streams; no prefix query per request"),
+    "oracle": Policy({"policy": "score", "prefix_match": "pushed"},
+                     "gateway policy score, prefix_match pushed: scores EVERY pod on its whole cache as the pod "
+                     "pushed it (at most one 200 ms load report old), with no RPC per request; its hit rate is "
+                     "the ceiling, its CPU per request grows with the fleet"),
 }
 
 

@@ -14,7 +14,9 @@ import pytest
 import yaml
 
 from tessera_operator.autoscale import PoolObservation, ScalerState, ScalingPolicy, decide
+from tessera_operator.crd_engine import autoscaling_schema
 from tessera_tools.bench import fleet as fleet_bench
+from tessera_tools.bench.fleet.autoscale_run import scaling_policy
 from tessera_tools.bench.fleet.autoscaler import Autoscaler
 from tessera_tools.bench.fleet.elastic_pool import ElasticPod, ElasticPool, PoolTimings
 from tessera_tools.bench.fleet.faults_run import killed_processes
@@ -152,6 +154,23 @@ def test_every_decision_is_the_operators_decide_on_the_observation_observe_py_bu
     h.scrape(a, pod_text(running=1, ttft_sum=41, ttft_count=21))
     obs = h.autoscaler.observe()
     assert (obs.replicas, obs.ready, obs.pending, obs.signal, obs.busy) == (6, 2, 4, pytest.approx(1.0), True)
+
+
+def test_concurrency_counts_the_gateways_queue_as_the_operator_does_and_defaults_to_the_crds_target(tmp_path):
+    args = _parse(["--scenario", "autoscale", "--scale-signal", "concurrency"])
+    p = scaling_policy(args)
+    assert (p.signal, p.target) == ("concurrency", 8.0)  # the CRD's targetConcurrencyPerReplica default
+    crd_signals = autoscaling_schema()["properties"]["mixed"]["properties"]["signal"]["enum"]
+    assert set(fleet_bench.SCALE_SIGNALS) == set(crd_signals)
+    h = Harness(tmp_path, p)
+    a, b = h.bring_up(2)
+    h.scrape(a, pod_text(waiting=1, running=6))  # almost nothing waits: the queue signal would say 0.5
+    h.scrape(b, pod_text(running=7))
+    h.pages[GATEWAYS[0]], h.pages[GATEWAYS[1]] = gateway_text(12), gateway_text(6)
+    obs = h.autoscaler.observe()
+    assert obs.signal == pytest.approx((7 + 7 + 18) / 2) and obs.gateway_queued == 18
+    decision = h.autoscaler.tick(0.0)
+    assert (decision.reason, decision.replicas) == ("ScaleUp", 4)  # ceil(2 x 16 / 8)
 
 
 def test_scale_up_is_limited_by_the_step_and_the_maximum(tmp_path):
