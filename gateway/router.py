@@ -212,15 +212,22 @@ class Router:
         # Prefix matches read from the pods' pushed caches (pool.prefix_index), not asked.
         self._pushed = config.prefix_match == "pushed"
 
+    def block_keys(self, block_hashes: list[bytes]) -> list[int]:
+        """The prompt's block keys under prefix_match pushed (else none): worked
+        out once per request and passed to `rank` and `note_routed`."""
+        return [block_key(h) for h in block_hashes] if self._pushed else []
+
     async def rank(self, role: str, block_hashes: list[bytes], num_prompt_tokens: int,
-                   key: bytes) -> list[ScoredPod]:
-        """Routable pods of `role`, best first (empty if none)."""
+                   key: bytes, keys: list[int] | None = None) -> list[ScoredPod]:
+        """Routable pods of `role`, best first (empty if none); `keys`:
+        `block_keys(block_hashes)`, if the caller has them already."""
         pods = self.pool.routable(role)
         if not pods:
             return []
         if self.config.policy == "round_robin":
             return self._rotate(role, pods)
-        keys = [block_key(h) for h in block_hashes] if self._pushed else []
+        if keys is None:
+            keys = self.block_keys(block_hashes)
         if self.config.policy == "bounded":
             return await self._rank_bounded(role, pods, block_hashes, keys, num_prompt_tokens, key)
         matched = await self._match(pods, block_hashes, keys)
@@ -252,14 +259,13 @@ class Router:
                 for i, pod in enumerate(fallbacks)]
         return _best_first(ranked) + _best_first(rest)
 
-    def note_routed(self, pods: list[Pod], block_hashes: list[bytes]) -> None:
+    def note_routed(self, pods: list[Pod], keys: list[int]) -> None:
         """prefix_match pushed: the request goes to these pods (its pod, and
         its prefill pod under P/D), so they count as holding its blocks
-        before their next push says so (gateway/pods/prefix_index.py)."""
-        if self._pushed and block_hashes:
-            keys = [block_key(h) for h in block_hashes]
-            for pod in pods:
-                self.pool.prefix_index.note_routed(pod.address, keys)
+        (`keys`: block_keys) before their next push says so
+        (gateway/pods/prefix_index.py)."""
+        for pod in pods:
+            self.pool.prefix_index.note_routed(pod.address, keys)
 
     def _holders(self, role: str, keys: list[int], chosen: set[str], key: bytes) -> list[Pod]:
         """bounded, pushed: the least loaded routable pods of `role` holding

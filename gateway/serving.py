@@ -206,35 +206,37 @@ class Gateway:
         with _tracer.start_as_current_span("gateway.route") as span:
             hashes = hash_request_tokens(prompt_ids, self.model.block_size, cache_salt)
             key = hashes[0] if hashes else request_id.encode()
-            plan = await self._ranked_plan(hashes, len(prompt_ids), key)
+            keys = self.router.block_keys(hashes)
+            plan = await self._ranked_plan(hashes, keys, len(prompt_ids), key)
             if not plan.candidates and self.config.admission.queue_without_pods:
                 deadline = time.monotonic() + self.config.admission.queue_timeout_s
                 while not plan.candidates and time.monotonic() < deadline:
                     await asyncio.sleep(_NO_POD_POLL_S)
-                    plan = await self._ranked_plan(hashes, len(prompt_ids), key)
+                    plan = await self._ranked_plan(hashes, keys, len(prompt_ids), key)
             if not plan.candidates:
                 raise unavailable("no engine pod is serving; retry shortly", "no_engine_pod")
             span.set_attribute("tessera.pod", plan.candidates[0].address)
             span.set_attribute("tessera.prefix_hit_tokens", plan.matched_tokens)
             span.set_attribute("tessera.disaggregated", bool(plan.prefill_candidates))
             self.metrics.prefix_hit_tokens.labels(plan.candidates[0].address).inc(plan.matched_tokens)
-            self.router.note_routed(plan.candidates[:1] + plan.prefill_candidates[:1], hashes)
+            self.router.note_routed(plan.candidates[:1] + plan.prefill_candidates[:1], keys)
             return plan
 
-    async def _ranked_plan(self, hashes: list[bytes], num_tokens: int, key: bytes) -> Plan:
+    async def _ranked_plan(self, hashes: list[bytes], keys: list[int], num_tokens: int, key: bytes) -> Plan:
         if self.pool.disaggregated:
-            return await self._plan_disaggregated(hashes, num_tokens, key)
-        ranked = await self.router.rank("mixed", hashes, num_tokens, key)
+            return await self._plan_disaggregated(hashes, keys, num_tokens, key)
+        ranked = await self.router.rank("mixed", hashes, num_tokens, key, keys)
         if not ranked:  # only P/D pods, one pool down: decode pods compute prompts themselves
-            ranked = await self.router.rank("decode", hashes, num_tokens, key)
+            ranked = await self.router.rank("decode", hashes, num_tokens, key, keys)
         return self._plan_from(ranked, [])
 
-    async def _plan_disaggregated(self, hashes: list[bytes], num_tokens: int, key: bytes) -> Plan:
-        decode = await self.router.rank("decode", hashes, num_tokens, key)
+    async def _plan_disaggregated(self, hashes: list[bytes], keys: list[int], num_tokens: int,
+                                  key: bytes) -> Plan:
+        decode = await self.router.rank("decode", hashes, num_tokens, key, keys)
         matched = decode[0].matched_blocks * self.model.block_size if decode else 0
         if num_tokens - matched < self.config.disaggregation.min_uncached_tokens:
             return self._plan_from(decode, [])
-        prefill_ranked = await self.router.rank("prefill", hashes, num_tokens, key)
+        prefill_ranked = await self.router.rank("prefill", hashes, num_tokens, key, keys)
         return self._plan_from(decode, [s.pod for s in prefill_ranked])
 
     def _plan_from(self, ranked: list[ScoredPod], prefill_pods: list[Pod]) -> Plan:
