@@ -28,6 +28,7 @@ from engine_pod.core.scheduler_output import EngineCoreOutput
 from engine_pod.core.stats import SchedulerStats
 from engine_pod.engine.engine_core import EngineCore
 from engine_pod.request import Request
+from engine_pod.server.in_flight import InFlightSeconds
 from kv_store.block_hash import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class AsyncEngine:
         self._stop = False
         # Event-loop side only.
         self._streams: dict[str, asyncio.Queue] = {}
+        # The integral of len(_streams) over time (the autoscaler's mean concurrency).
+        self.in_flight = InFlightSeconds()
         self.snapshot = LoadSnapshot(num_free_blocks=core.num_blocks)
         self.error: BaseException | None = None
         # When the running step began (monotonic), None between steps: the
@@ -120,6 +123,7 @@ class AsyncEngine:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = queue
+        self.in_flight.set(len(self._streams))
         with self._lock:
             self._pending_adds.append(request)
         self._wakeup.set()
@@ -131,6 +135,7 @@ class AsyncEngine:
         if queue is None:
             return False
         queue.put_nowait(StreamEnd("abort"))
+        self.in_flight.set(len(self._streams))
         with self._lock:
             self._pending_aborts.append(request_id)
         self._wakeup.set()
@@ -149,11 +154,13 @@ class AsyncEngine:
             queue.put_nowait(StepOutput(out, step_end))
             if out.finished:
                 del self._streams[out.request_id]
+        self.in_flight.set(len(self._streams))
 
     def _fail_all(self, error: BaseException) -> None:
         for queue in self._streams.values():
             queue.put_nowait(StreamEnd("error", error))
         self._streams.clear()
+        self.in_flight.set(0)
 
     # -- engine loop (the caller's thread) --------------------------------
     def _take_pending(self) -> tuple[list[Request], list[str]]:

@@ -50,7 +50,7 @@ from engine_pod.server.auth import InternalAuthInterceptor, ServerTLS
 from engine_pod.server.cpu_share import cpu_share
 from engine_pod.server.frontend import Frontend, PodServer
 from engine_pod.server.grpc_service import EngineService
-from engine_pod.server.metrics import EngineMetrics, KVStoreCollector, StructuredOutputCollector
+from engine_pod.server.metrics import EngineMetrics, InFlightCollector, KVStoreCollector, StructuredOutputCollector
 from engine_pod.server.step_watchdog import watch_steps
 from engine_pod.sim.step_profile import StepTimeProfile
 from tessera.internal_secret import InternalSecret
@@ -227,6 +227,7 @@ def _start_pod(pod: _Pod, config: EngineConfig, executor: Executor | None, loop,
     if pod.core.structured_output is not None:
         pod.metrics.registry.register(StructuredOutputCollector(pod.core.structured_output.stats, model_name))
     pod.engine = AsyncEngine(pod.core, loop)
+    pod.metrics.registry.register(InFlightCollector(pod.engine.in_flight, model_name))
     pod.service.attach(pod.engine)
 
 

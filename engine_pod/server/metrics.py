@@ -173,3 +173,22 @@ class StructuredOutputCollector:
             fam = CounterMetricFamily(name, doc, labels=["model_name"])
             fam.add_metric([self.model_name], value)
             yield fam
+
+
+class InFlightCollector:
+    """The pod's request-seconds in flight (in_flight.py), read at scrape
+    time: its rate is the pod's mean concurrency, the autoscaler's signal."""
+
+    NAME = "tessera:request_in_flight_seconds"
+
+    def __init__(self, in_flight, model_name: str) -> None:
+        self.in_flight = in_flight  # in_flight.InFlightSeconds
+        self.model_name = model_name
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        fam = CounterMetricFamily(self.NAME, "Integral over time of the requests in flight on the pod "
+                                  "(request-seconds; its rate is the mean concurrency)", labels=["model_name"])
+        fam.add_metric([self.model_name], self.in_flight.total())
+        yield fam

@@ -133,9 +133,9 @@ def _scaling(role: str, signals: list[str], default_signal: str) -> Schema:
             "kvUsage: mean fraction of KV blocks in use across ready pods.", default=0.8, minimum=0.05, maximum=1)
     if "concurrency" in signals:
         targets["targetConcurrencyPerReplica"] = number(
-            "concurrency: requests in flight (running and waiting on the pods, plus those queued at the gateway) "
-            "per ready pod, proportional to the load (Little's law). Set it to the batch one pod serves within "
-            "its SLO, a share of engine.maxNumSeqs; the default 8 is a small batch (the fleet benchmark's "
+            "concurrency: requests in flight (each pod's mean over the interval, plus those queued at the "
+            "gateway) per ready pod, proportional to the load (Little's law). Set it to the batch one pod serves "
+            "within its SLO, a share of engine.maxNumSeqs; the default 8 is a small batch (the fleet benchmark's "
             "decode batch per pod).", default=8, minimum=0.1)
     return obj(f"Autoscaling of the {role} pool.", {
         "signal": string("The metric this pool scales on; its target is the matching target field.",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from tessera_operator import names, pods, signals
@@ -22,14 +23,15 @@ class ScrapeMemory:
     samples: dict[str, dict[str, signals.PodSample]] = field(default_factory=dict)
 
 
-def _scrape_ready(api: ClusterApi, ready: list[dict], port: int) -> dict[str, str]:
+def _scrape_ready(api: ClusterApi, ready: list[dict], port: int) -> dict[str, tuple[str, float]]:
+    """{pod name: (its metrics text, when it was read)} of the pods that answered."""
     texts = {}
     for pod in ready:
         ip = pods.pod_ip(pod)
         if not ip:
             continue
         try:
-            texts[pods.pod_name(pod)] = api.scrape(ip, port)
+            texts[pods.pod_name(pod)] = (api.scrape(ip, port), time.monotonic())
         except Exception as e:  # noqa: BLE001 - one silent pod must not stop scaling the rest
             logger.warning("scraping %s failed: %s", pods.pod_name(pod), e)
     return texts
@@ -43,7 +45,7 @@ def gateway_queued(api: ClusterApi, owner: Owner) -> int:
     """
     ready = [p for p in api.list_pods(owner.namespace, names.gateway_selector(owner)) if pods.is_ready(p)]
     texts = _scrape_ready(api, ready, GATEWAY_METRICS_PORT)
-    return sum(signals.parse_gateway_queued(text) for text in texts.values())
+    return sum(signals.parse_gateway_queued(text) for text, _ in texts.values())
 
 
 def observe_pool(api: ClusterApi, owner: Owner, role: str, replicas: int, signal: str,
@@ -51,7 +53,8 @@ def observe_pool(api: ClusterApi, owner: Owner, role: str, replicas: int, signal
     all_pods = api.list_pods(owner.namespace, names.pool_selector(owner, role))
     ready = [p for p in all_pods if pods.is_ready(p)]
     starting = [p for p in all_pods if pods.is_starting(p)]
-    samples = {name: signals.parse_pod_metrics(text) for name, text in _scrape_ready(api, ready, METRICS_PORT).items()}
+    samples = {name: signals.parse_pod_metrics(text, scraped_at=at)
+               for name, (text, at) in _scrape_ready(api, ready, METRICS_PORT).items()}
     pool = signals.pool_signals(samples, memory.samples.get(role, {}), gateway_queued=queued)
     memory.samples[role] = samples
     return PoolObservation(replicas=replicas, ready=len(ready), pending=len(starting), signal=pool.value(signal),

@@ -6,10 +6,13 @@ ready pods. A pod seen for the first time, or whose counters went down
 (it restarted), contributes its whole history since start.
 
 Concurrency is the load signal proper: requests in flight per ready pod
-(running and waiting on the pods, plus those the gateway still holds), which
-by Little's law (in flight = arrival rate x time in system) grows in
-proportion to the load, where an engine's waiting queue stays near 0 while
-it admits requests into its batch.
+(on the pods, plus those the gateway still holds), which by Little's law
+(in flight = arrival rate x time in system) grows in proportion to the
+load, where an engine's waiting queue stays near 0 while it admits requests
+into its batch. A pod's part is its mean over the interval (the rate of its
+request-seconds counter between the two scrapes); only a pod without a
+previous scrape (new, or restarted) falls back to its running and waiting
+gauges, sampled at one instant.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ RUNNING = "tessera:num_requests_running"
 KV_USAGE = "tessera:kv_cache_usage_perc"
 TTFT = "tessera:time_to_first_token_seconds"
 ITL = "tessera:inter_token_latency_seconds"
+IN_FLIGHT_SECONDS = "tessera:request_in_flight_seconds_total"
 # Gauge of gateway/metrics.py: requests waiting in its admission queue (one series per priority class).
 GATEWAY_QUEUED = "tessera:gateway_queue_length"
 
@@ -37,6 +41,10 @@ class PodSample:
     ttft_count: float = 0.0
     itl_sum: float = 0.0
     itl_count: float = 0.0
+    in_flight_seconds: float | None = None
+    """The pod's request-seconds counter; None from a pod that does not export it."""
+    scraped_at: float | None = None
+    """When the scraper read it (its own monotonic clock): the counter's rate needs the interval."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +53,7 @@ class PoolSignals:
     ttft: float | None       # mean TTFT over the interval (s)
     itl: float | None        # mean inter-token latency over the interval (s)
     kvUsage: float | None    # noqa: N815 - named as the CRD's signal
-    concurrency: float | None  # requests in flight (running + waiting + gateway-queued) per ready pod
+    concurrency: float | None  # requests in flight (each pod's interval mean + gateway-queued) per ready pod
     busy: bool
 
     def value(self, signal: str) -> float | None:
@@ -57,7 +65,7 @@ def _samples(text: str):
         yield from family.samples
 
 
-def parse_pod_metrics(text: str) -> PodSample:
+def parse_pod_metrics(text: str, scraped_at: float | None = None) -> PodSample:
     values: dict[str, float] = {}
     for s in _samples(text):
         # One model per pod: sum over label sets to stay robust to extra labels.
@@ -66,6 +74,7 @@ def parse_pod_metrics(text: str) -> PodSample:
         waiting=values.get(WAITING, 0.0), running=values.get(RUNNING, 0.0), kv_usage=values.get(KV_USAGE, 0.0),
         ttft_sum=values.get(f"{TTFT}_sum", 0.0), ttft_count=values.get(f"{TTFT}_count", 0.0),
         itl_sum=values.get(f"{ITL}_sum", 0.0), itl_count=values.get(f"{ITL}_count", 0.0),
+        in_flight_seconds=values.get(IN_FLIGHT_SECONDS), scraped_at=scraped_at,
     )
 
 
@@ -81,6 +90,16 @@ def _delta(cur_sum: float, cur_count: float, prev: PodSample | None, which: str)
     if cur_count < prev_count:  # the pod restarted: its counters began again
         return cur_sum, cur_count
     return cur_sum - prev_sum, cur_count - prev_count
+
+
+def _mean_in_flight(sample: PodSample, prev: PodSample | None) -> float:
+    """The pod's mean concurrency since its previous scrape, or its gauges now
+    when there is no interval to take a rate over."""
+    if (prev is not None and sample.in_flight_seconds is not None and prev.in_flight_seconds is not None
+            and sample.scraped_at is not None and prev.scraped_at is not None
+            and sample.scraped_at > prev.scraped_at and sample.in_flight_seconds >= prev.in_flight_seconds):
+        return (sample.in_flight_seconds - prev.in_flight_seconds) / (sample.scraped_at - prev.scraped_at)
+    return sample.running + sample.waiting
 
 
 def _interval_mean(current: dict[str, PodSample], previous: dict[str, PodSample], which: str) -> float | None:
@@ -103,7 +122,7 @@ def pool_signals(current: dict[str, PodSample], previous: dict[str, PodSample],
     if not current:
         return PoolSignals(queue=None, ttft=None, itl=None, kvUsage=None, concurrency=None, busy=False)
     n = len(current)
-    in_flight = sum(s.running + s.waiting for s in current.values()) + gateway_queued
+    in_flight = sum(_mean_in_flight(s, previous.get(pod)) for pod, s in current.items()) + gateway_queued
     return PoolSignals(
         queue=sum(s.waiting for s in current.values()) / n,
         ttft=_interval_mean(current, previous, "ttft"),

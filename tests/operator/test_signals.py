@@ -6,7 +6,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from engine_pod.core.stats import SchedulerStats
-from engine_pod.server.metrics import EngineMetrics
+from engine_pod.server.in_flight import InFlightSeconds
+from engine_pod.server.metrics import EngineMetrics, InFlightCollector
 from gateway.metrics import GatewayMetrics
 from tessera_operator.signals import PodSample, parse_gateway_queued, parse_pod_metrics, pool_signals
 
@@ -65,6 +66,35 @@ def test_concurrency_is_requests_in_flight_per_ready_pod_gateway_queue_included(
     assert s.queue == 2.0, "the gateway's queue is not the pods' waiting queue"
     idle = pool_signals({"a": PodSample(), "b": PodSample()}, {})
     assert idle.concurrency == 0.0 and not idle.busy
+
+
+def test_concurrency_is_each_pods_mean_over_the_interval():
+    """Pod a held 6 requests on average over the 5 s between scrapes (30
+    request-seconds) though its gauges read 1 now; pod b is new (no previous
+    scrape) and pod c restarted (its counter went down): both fall back to
+    their gauges."""
+    previous = {"a": PodSample(in_flight_seconds=100.0, scraped_at=10.0),
+                "c": PodSample(in_flight_seconds=500.0, scraped_at=10.0)}
+    current = {"a": PodSample(running=1, in_flight_seconds=130.0, scraped_at=15.0),
+               "b": PodSample(running=2, waiting=1, in_flight_seconds=4.0, scraped_at=15.0),
+               "c": PodSample(running=2, in_flight_seconds=1.0, scraped_at=15.0)}
+    assert pool_signals(current, previous).concurrency == pytest.approx((6 + 3 + 2) / 3)
+    assert pool_signals(current, previous, gateway_queued=3).concurrency == pytest.approx((6 + 3 + 2 + 3) / 3)
+    # A scrape without a time (or at the same time) gives no interval: the gauges again.
+    assert pool_signals({"a": PodSample(running=1, in_flight_seconds=130.0)}, previous).concurrency == 1.0
+    assert pool_signals({"a": PodSample(running=1, in_flight_seconds=130.0, scraped_at=10.0)},
+                        previous).concurrency == 1.0
+
+
+def test_the_exported_counter_is_parsed_with_the_scrape_time():
+    m, now = EngineMetrics("llama"), [0.0]
+    seconds = InFlightSeconds(lambda: now[0])
+    m.registry.register(InFlightCollector(seconds, "llama"))
+    seconds.set(2)
+    now[0] = 3.0
+    sample = parse_pod_metrics(engine_text(m), scraped_at=42.0)
+    assert sample.in_flight_seconds == pytest.approx(6.0) and sample.scraped_at == 42.0
+    assert parse_pod_metrics("").in_flight_seconds is None, "a pod without the counter"
 
 
 def test_empty_pool_has_no_signal():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tessera_tools.bench.fleet.autoscaler import Autoscaler
 from tessera_tools.bench.fleet.elastic_pool import ElasticPool
-from tessera_tools.bench.fleet.scenario_figures import endings, latency_figures
+from tessera_tools.bench.fleet.scenario_figures import endings, latency_figures, slo_attainment_over_time
 from tessera_tools.bench.fleet.scenario_replay import TracedReplay
 
 # The acceptance (issue 18): the autoscaled fleet meets the SLO as often as
@@ -15,6 +15,8 @@ MIN_SLO_ATTAINMENT = 0.95
 MAX_POD_MINUTES_RATIO = 0.75
 # Scale from zero: the first request's first token within the start-up delay plus this.
 FROM_ZERO_MARGIN_S = 2.0
+# The report's SLO attainment over time, in bins of this many seconds of the trace.
+SLO_BIN_S = 15.0
 
 DISAGGREGATED_NOTE = ("only a mixed pool is scaled: prefill/decode pools cannot be simulated yet (simulated pods "
                       "have no KV store, so no P/D transfer)")
@@ -33,6 +35,7 @@ def fleet_record(kind: str, replay: TracedReplay, pool: ElasticPool, autoscaler:
     ticks = _relative(autoscaler.ticks, t0) if autoscaler else []
     return {
         "fleet": kind, **latency_figures(replay, slos), "endings": endings(replay),
+        "slo_over_time": slo_attainment_over_time(replay, slos, SLO_BIN_S),
         "pod_minutes": pod_seconds / 60, "window_s": t1 - t0,
         "mean_pods": pod_seconds / (t1 - t0) if t1 > t0 else None,
         "pods_started": len(pool.pods),

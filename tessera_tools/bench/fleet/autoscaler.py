@@ -27,22 +27,25 @@ from tessera_tools.bench.fleet.elastic_pool import ElasticPool
 SCRAPE_THREADS = 16
 
 
-def _scrape_all(fetch: Callable[[str], str], urls: dict[str, str]) -> dict[str, str]:
-    """{name: text} of the urls that answered."""
+def _scrape_all(fetch: Callable[[str], str], urls: dict[str, str],
+                clock: Callable[[], float]) -> dict[str, tuple[str, float]]:
+    """{name: (text, when it was read)} of the urls that answered."""
     def one(item):
         try:
-            return item[0], fetch(item[1])
+            return item[0], (fetch(item[1]), clock())
         except Exception:  # noqa: BLE001 - a silent pod must not stop scaling the rest (observe.py does the same)
             return item[0], None
 
     with ThreadPoolExecutor(SCRAPE_THREADS) as pool:
-        return {name: text for name, text in pool.map(one, urls.items()) if text is not None}
+        return {name: got for name, got in pool.map(one, urls.items()) if got is not None}
 
 
 class Autoscaler:
     def __init__(self, policy: ScalingPolicy, pool: ElasticPool, fetch: Callable[[str], str],
-                 gateway_metrics_urls: list[str]) -> None:
+                 gateway_metrics_urls: list[str], clock: Callable[[], float] = time.monotonic) -> None:
         self.policy = policy
+        self.clock = clock
+        """Stamps each scrape (the concurrency signal is a counter's rate between two)."""
         self.pool = pool
         self.fetch = fetch
         self.gateway_metrics_urls = gateway_metrics_urls
@@ -55,11 +58,11 @@ class Autoscaler:
 
     def observe(self) -> PoolObservation:
         # The gateways first, as the operator's tick scrapes them before the pools.
-        gateways = _scrape_all(self.fetch, dict(enumerate(self.gateway_metrics_urls)))
-        queued = sum(parse_gateway_queued(text) for text in gateways.values())
+        gateways = _scrape_all(self.fetch, dict(enumerate(self.gateway_metrics_urls)), self.clock)
+        queued = sum(parse_gateway_queued(text) for text, _ in gateways.values())
         ready = self.pool.in_state("ready")
-        texts = _scrape_all(self.fetch, {p.handle.address: p.handle.metrics_url for p in ready})
-        samples = {name: parse_pod_metrics(text) for name, text in texts.items()}
+        texts = _scrape_all(self.fetch, {p.handle.address: p.handle.metrics_url for p in ready}, self.clock)
+        samples = {name: parse_pod_metrics(text, scraped_at=at) for name, (text, at) in texts.items()}
         signals = pool_signals(samples, self.memory, gateway_queued=queued)
         self.memory = samples
         return PoolObservation(replicas=self.replicas, ready=len(ready), pending=len(self.pool.in_state("starting")),

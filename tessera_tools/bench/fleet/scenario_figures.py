@@ -20,6 +20,17 @@ def slo_attainment(replay: TracedReplay, slos: dict[str, float]) -> float | None
     return sum(r.outcome.ok and _meets_slos(r.outcome, slos) for r in replay.requests) / len(replay.requests)
 
 
+def slo_attainment_over_time(replay: TracedReplay, slos: dict[str, float], bin_s: float) -> list[dict]:
+    """Per `bin_s` of the trace (by when each request was sent): requests and how many met every SLO,
+    which shows where a fleet missed (the ramp, the spike, after a scale-down)."""
+    bins: dict[int, list[int]] = {}
+    for r in replay.requests:
+        counts = bins.setdefault(int((r.sent_at - replay.started_at) // bin_s), [0, 0])
+        counts[0] += 1
+        counts[1] += r.outcome.ok and _meets_slos(r.outcome, slos)
+    return [{"t": i * bin_s, "requests": n, "met": met} for i, (n, met) in sorted(bins.items())]
+
+
 def endings(replay: TracedReplay) -> dict:
     """Per ending (scenario_replay.ENDINGS): the count and the most frequent errors."""
     out = {}

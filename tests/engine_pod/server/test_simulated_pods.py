@@ -75,6 +75,22 @@ def test_metrics_and_health_per_pod(sim_pods):
     assert all(health_status(a) == health_pb2.HealthCheckResponse.SERVING for a in sim_pods.addresses)
 
 
+def test_request_seconds_in_flight_add_up_the_requests_lifetimes(sim_pods):
+    """Four requests of a few decode steps each, at once: the pod's counter
+    grows by about the sum of their times in the engine, which the end-to-end
+    histogram (arrival at the gRPC handler to its end) bounds from above."""
+    port = SimpleNamespace(metrics_port=sim_pods.metrics_ports[1])
+    key, e2e = ("tessera:request_in_flight_seconds_total", ()), ("tessera:e2e_request_latency_seconds_sum", ())
+    before = scrape_metrics(port)
+    asyncio.run(generate_all(sim_pods.addresses[1], [greedy(list(range(300 + i, 340 + i)), 8, ignore_eos=True)
+                                                     for i in range(4)]))
+    after = scrape_metrics(port)
+    grew, lifetimes = after[key] - before[key], after[e2e] - before[e2e]
+    assert 0.7 * lifetimes < grew <= lifetimes + 0.01, (grew, lifetimes)
+    time.sleep(0.3)
+    assert scrape_metrics(port)[key] == pytest.approx(after[key]), "nothing in flight: the counter stands still"
+
+
 @pytest.mark.parametrize("params, field", [({"logprobs": 1}, "logprobs")])
 def test_what_a_simulation_cannot_honour_is_invalid_argument(sim_pods, params, field):
     with pytest.raises(grpc.aio.AioRpcError) as e:

@@ -60,10 +60,14 @@ def _listed(pods_file: PodsFile) -> list[str]:
     return yaml.safe_load(pods_file.path.read_text())["mixed"]
 
 
-def pod_text(waiting=0.0, running=0.0, kv=0.0, ttft_sum=0.0, ttft_count=0.0) -> str:
-    return (f"tessera:num_requests_waiting {waiting}\ntessera:num_requests_running {running}\n"
+def pod_text(waiting=0.0, running=0.0, kv=0.0, ttft_sum=0.0, ttft_count=0.0, in_flight_s=None) -> str:
+    text = (f"tessera:num_requests_waiting {waiting}\ntessera:num_requests_running {running}\n"
             f"tessera:kv_cache_usage_perc {kv}\ntessera:time_to_first_token_seconds_sum {ttft_sum}\n"
             f"tessera:time_to_first_token_seconds_count {ttft_count}\n")
+    if in_flight_s is not None:
+        text += ("# TYPE tessera:request_in_flight_seconds counter\n"
+                 f"tessera:request_in_flight_seconds_total {in_flight_s}\n")
+    return text
 
 
 def gateway_text(queued: int) -> str:
@@ -77,7 +81,9 @@ class Harness:
         self.pages: dict[str, str] = {url: gateway_text(0) for url in GATEWAYS}
         self.pods_file = PodsFile(tmp_path / "pods.yaml")
         self.pool = ElasticPool(self._launch, self.pods_file, PoolTimings(DELAY, GRACE))
-        self.autoscaler = Autoscaler(policy, self.pool, self._fetch, GATEWAYS)
+        self.now = 0.0
+        """The scrapes' clock."""
+        self.autoscaler = Autoscaler(policy, self.pool, self._fetch, GATEWAYS, clock=lambda: self.now)
 
     def _launch(self, name: str) -> FakePod:
         self.launched[name] = FakePod(name, self.pods_file)
@@ -171,6 +177,19 @@ def test_concurrency_counts_the_gateways_queue_as_the_operator_does_and_defaults
     assert obs.signal == pytest.approx((7 + 7 + 18) / 2) and obs.gateway_queued == 18
     decision = h.autoscaler.tick(0.0)
     assert (decision.reason, decision.replicas) == ("ScaleUp", 4)  # ceil(2 x 16 / 8)
+
+
+def test_concurrency_is_each_pods_mean_between_two_scrapes(tmp_path):
+    """Pod a's counter grew by 40 request-seconds in the 5 s between two ticks (a mean of 8) though
+    its gauges read 1 at the second; pod b has no previous scrape: its gauges (3) stand in."""
+    h = Harness(tmp_path, policy(signal="concurrency", target=4.0, min_replicas=1))
+    a, b = h.bring_up(2)
+    h.scrape(a, pod_text(running=5, in_flight_s=100.0))
+    h.autoscaler.observe()
+    h.now += 5.0
+    h.scrape(a, pod_text(running=1, in_flight_s=140.0))
+    h.scrape(b, pod_text(running=2, waiting=1, in_flight_s=7.0))
+    assert h.autoscaler.observe().signal == pytest.approx((8 + 3) / 2)
 
 
 def test_scale_up_is_limited_by_the_step_and_the_maximum(tmp_path):
@@ -319,8 +338,8 @@ def _small(tiny_llama, fast_profile, tmp_path, *extra: str) -> argparse.Namespac
                    "--output", str(tmp_path / "report.json"), "--logs", str(tmp_path / "logs"), *extra])
 
 
-FLEET_KEYS = {"slo_attainment", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "pod_minutes", "timeline",
-              "pod_events", "decisions", "endings", "pod_process_rss_mb"}
+FLEET_KEYS = {"slo_attainment", "slo_over_time", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+              "pod_minutes", "timeline", "pod_events", "decisions", "endings", "pod_process_rss_mb"}
 
 
 @pytest.mark.slow
@@ -334,6 +353,9 @@ def test_autoscale_from_zero_end_to_end(tiny_llama, fast_profile, tmp_path):
     for run in (auto, static):
         assert FLEET_KEYS <= set(run), FLEET_KEYS - set(run)
         assert run["requests"] == report["trace"]["requests"], run["endings"]
+        bins = run["slo_over_time"]
+        assert sum(b["requests"] for b in bins) == run["requests"]
+        assert sum(b["met"] for b in bins) / run["requests"] == pytest.approx(run["slo_attainment"])
     assert static["failed"] == 0, static["endings"]
     # The queue signal drops a busy pool with an empty queue to zero, and the gateway has a race there: a
     # request admitted while the last pod was listed but routed after it left gets 503 no_engine_pod instead
