@@ -1,6 +1,6 @@
 """The wire format of one KV block: every layer's K and V of one TP rank.
 
-    fields (fixed size, little endian) | MAC (32 bytes) | payload (raw tensor bytes)
+    fields (fixed size, little endian) | MAC (32 bytes) | payload (the block's raw bytes)
 
 The fields name everything that must match for the bytes to be usable by a
 reader: format version, model fingerprint, TP rank and size, block size,
@@ -17,19 +17,20 @@ the MAC zero, because the host tier is this process's own memory and holds
 only values this process encoded or verified, and never hands them on.
 ``decode`` raises ``CorruptBlockError`` (with a ``reason``) on any mismatch,
 which callers treat as a miss.
+
+The codec works on bytes and imports no torch, so the store moves blocks for
+a simulated engine too; ``tensor_codec.py`` turns a real engine's block
+tensors into payloads and back.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import struct
-import warnings
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
-import torch
 
 from kv_store.mac_key import check_mac_key
 
@@ -46,17 +47,17 @@ REJECT_MAC = "mac"  # the MAC does not match: forged, another deployment's key, 
 REJECT_MISADDRESSED = "misaddressed"  # authentic, but another block's (or layout's): copied under a wrong key
 REJECT_REASONS = (REJECT_TRUNCATED, REJECT_FORMAT, REJECT_MAC, REJECT_MISADDRESSED)
 
-_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
-_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
-# Same-width integer views: numpy has no bfloat16, so bytes travel as ints.
-_RAW_VIEWS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
-              torch.float64: torch.int64}
+# The dtypes a block may be stored in, by name: (code in the header, bytes per element).
+STORED_DTYPES = {"float32": (1, 4), "float16": (2, 2), "bfloat16": (3, 2), "float64": (4, 8)}
 
 # magic, version, fingerprint, tp rank, tp size, block size, layers, dtype,
 # shape (2, block_size, kv heads, head dim), block hash, payload length
 _FIELDS = struct.Struct("<4sH16sHHIIB4I32sQ")
 HEADER_SIZE = _FIELDS.size + MAC_BYTES
 _NO_MAC = bytes(MAC_BYTES)
+
+# What a payload may be handed in as: the raw bytes, or a view of them.
+Payload = bytes | bytearray | memoryview
 
 
 class CorruptBlockError(ValueError):
@@ -71,14 +72,22 @@ class CorruptBlockError(ValueError):
 class BlockLayout:
     """What a reader expects: fixed per engine (model, dtype, TP rank, cache shape)."""
 
-    fingerprint: bytes  # FINGERPRINT_BYTES
+    fingerprint: bytes
+    """FINGERPRINT_BYTES naming the model, its dtype and the format (fingerprint.py)."""
     tp_rank: int
+    """The tensor-parallel rank whose share of the heads the block holds."""
     tp_size: int
+    """The tensor-parallel degree the block was split for."""
     num_layers: int
+    """Decoder layers: the block holds K and V of each."""
     block_size: int
+    """Tokens per block."""
     num_kv_heads: int
+    """KV heads of this rank."""
     head_dim: int
-    dtype: torch.dtype
+    """Elements per head."""
+    dtype: str
+    """The element type, by name: a key of STORED_DTYPES."""
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -87,7 +96,7 @@ class BlockLayout:
 
     @property
     def payload_bytes(self) -> int:
-        return int(np.prod(self.block_shape)) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.block_shape) * STORED_DTYPES[self.dtype][1]
 
 
 class BlockCodec:
@@ -96,7 +105,7 @@ class BlockCodec:
         serves the host tier (it can encode and decode, not sign or verify)."""
         if len(layout.fingerprint) != FINGERPRINT_BYTES:
             raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes")
-        if layout.dtype not in _DTYPE_CODES:
+        if layout.dtype not in STORED_DTYPES:
             raise ValueError(f"dtype {layout.dtype} cannot be stored")
         check_mac_key(mac_key)
         self.layout = layout
@@ -113,7 +122,7 @@ class BlockCodec:
         lay = self.layout
         return _FIELDS.pack(
             MAGIC, FORMAT_VERSION, lay.fingerprint, lay.tp_rank, lay.tp_size, lay.block_size, lay.num_layers,
-            _DTYPE_CODES[lay.dtype], 2, lay.block_size, lay.num_kv_heads, lay.head_dim, block_hash,
+            STORED_DTYPES[lay.dtype][0], 2, lay.block_size, lay.num_kv_heads, lay.head_dim, block_hash,
             lay.payload_bytes,
         )
 
@@ -124,12 +133,12 @@ class BlockCodec:
         h.update(payload)  # OpenSSL releases the GIL while it hashes a large buffer
         return h.digest()
 
-    def encode(self, block_hash: bytes, block: torch.Tensor) -> bytes:
-        """The host tier's form (MAC left zero). ``block``: a contiguous CPU
-        tensor of ``layout.block_shape``."""
-        if tuple(block.shape) != self.layout.block_shape or block.dtype != self.layout.dtype:
-            raise ValueError(f"block of shape {tuple(block.shape)} {block.dtype} does not fit {self.layout}")
-        payload = block.contiguous().view(_RAW_VIEWS[block.dtype]).numpy().data.cast("B")
+    def encode(self, block_hash: bytes, payload: Payload) -> bytes:
+        """The host tier's form (MAC left zero) of one block's raw bytes
+        (``layout.payload_bytes`` of them, in ``layout.block_shape`` order)."""
+        if len(payload) != self.layout.payload_bytes:
+            raise ValueError(f"a payload of {len(payload)} bytes does not fit {self.layout} "
+                             f"({self.layout.payload_bytes} bytes)")
         return b"".join((self._fields(block_hash), _NO_MAC, payload))
 
     def sign(self, value: bytes) -> bytes:
@@ -138,8 +147,8 @@ class BlockCodec:
         fields, payload = view[: _FIELDS.size], view[HEADER_SIZE:]
         return b"".join((fields, self._mac(fields, payload), payload))
 
-    def decode(self, block_hash: bytes, data: bytes | memoryview, verify_mac: bool = True) -> torch.Tensor:
-        """The block tensor (a read-only view of ``data``), or CorruptBlockError.
+    def decode(self, block_hash: bytes, data: bytes | memoryview, verify_mac: bool = True) -> memoryview:
+        """The block's payload (a read-only view of ``data``), or CorruptBlockError.
         ``verify_mac=False`` only for the host tier's own values."""
         view = memoryview(data)
         if len(view) < HEADER_SIZE:
@@ -155,20 +164,14 @@ class BlockCodec:
                                                   view[_FIELDS.size: HEADER_SIZE]):
             raise CorruptBlockError(REJECT_MAC, "MAC mismatch (forged, another deployment's key, or damaged)")
         self._check_fields(block_hash, fields)
-        lay = self.layout
-        with warnings.catch_warnings():
-            # A view of the stored bytes that callers only read (they copy it
-            # into the KV cache): torch's warning about read-only buffers is noise.
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(payload, dtype=_RAW_VIEWS[lay.dtype])
-        return raw.view(lay.dtype).view(lay.block_shape)
+        return payload
 
     def _check_fields(self, block_hash: bytes, fields: tuple[Any, ...]) -> None:
         fingerprint, rank, size, block_size, layers, dtype_code = fields[2:8]
         shape, stored_hash, length = tuple(fields[8:12]), fields[12], fields[13]
         lay = self.layout
         expected = (lay.fingerprint, lay.tp_rank, lay.tp_size, lay.block_size, lay.num_layers,
-                    _DTYPE_CODES[lay.dtype], (2, lay.block_size, lay.num_kv_heads, lay.head_dim),
+                    STORED_DTYPES[lay.dtype][0], (2, lay.block_size, lay.num_kv_heads, lay.head_dim),
                     block_hash, lay.payload_bytes)
         found = (fingerprint, rank, size, block_size, layers, dtype_code, shape, stored_hash, length)
         names = ("fingerprint", "tp_rank", "tp_size", "block_size", "num_layers", "dtype", "shape", "block_hash",

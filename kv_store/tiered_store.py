@@ -9,6 +9,9 @@ Redis round trip for the rest; Redis values must pass the MAC, host values
 (this process's own memory) need not; Redis hits are promoted to the host
 tier; a value that fails any check is deleted from its tier and counted by
 tier and reason, and the run stops there (a miss: the engine recomputes).
+
+Blocks come and go as payloads (the raw bytes of one block, codec.py): the
+store imports no torch, so a simulated engine uses it as a real one does.
 """
 
 from __future__ import annotations
@@ -20,9 +23,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, fields
 
-import torch
-
-from kv_store.codec import BlockCodec, CorruptBlockError
+from kv_store.codec import BlockCodec, CorruptBlockError, Payload
 from kv_store.host_tier import HostMemoryTier
 from kv_store.redis_tier import RedisTier
 
@@ -92,12 +93,12 @@ class TieredKVStore:
             n += 1
         return n
 
-    def get_blocks(self, hashes: list[bytes]) -> list[torch.Tensor]:
-        """Decoded blocks for the leading hashes that every check accepts."""
+    def get_blocks(self, hashes: list[bytes]) -> list[memoryview]:
+        """The payloads of the leading hashes that every check accepts (views of the stored values)."""
         if not hashes:
             return []
         start = time.perf_counter()
-        blocks: list[torch.Tensor] = []
+        blocks: list[memoryview] = []
         missing: list[int] = []
         values: list[bytes | None] = []
         for i, h in enumerate(hashes):
@@ -151,9 +152,9 @@ class TieredKVStore:
         return blocks
 
     # -- writes -----------------------------------------------------------
-    def put(self, block_hash: bytes, block: torch.Tensor, sync_remote: bool = False) -> None:
-        """Store a block: host tier now, Redis behind (or now, with sync_remote)."""
-        value = self.codec.encode(block_hash, block)
+    def put(self, block_hash: bytes, payload: Payload, sync_remote: bool = False) -> None:
+        """Store a block's payload: host tier now, Redis behind (or now, with sync_remote)."""
+        value = self.codec.encode(block_hash, payload)
         if self.host.put(block_hash, value):
             with self._stats_lock:
                 self.stats.bytes_written_host += len(value)

@@ -10,17 +10,10 @@ host tier before they are overwritten.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from engine_pod.core.kv_cache_block import KVCacheBlock
 from engine_pod.core.scheduler_output import KVConnectorMetadata
 from engine_pod.request import Request
-
-if TYPE_CHECKING:
-    # The scheduler imports this module; a simulated engine, without torch or a KV store, too.
-    import torch
-
-    from kv_store.tiered_store import TieredKVStore
+from kv_store.tiered_store import TieredKVStore
 
 
 class KVConnectorScheduler:
@@ -31,16 +24,16 @@ class KVConnectorScheduler:
         # Tokens served from the store since the last stats report.
         self.num_external_hit_tokens = 0
 
-    def match(self, request: Request, num_local_hit_tokens: int) -> list[torch.Tensor]:
-        """Blocks the store holds right after the local hits (at least one
-        prompt token is always left to compute)."""
+    def match(self, request: Request, num_local_hit_tokens: int) -> list[memoryview]:
+        """The payloads of the blocks the store holds right after the local
+        hits (at least one prompt token is always left to compute)."""
         first = num_local_hit_tokens // self.block_size
         last = (request.num_tokens - 1) // self.block_size
         if first >= last:
             return []
         return self.store.get_blocks(request.block_hashes[first:last])
 
-    def on_allocated(self, new_blocks: list[KVCacheBlock], loaded: list[torch.Tensor]) -> None:
+    def on_allocated(self, new_blocks: list[KVCacheBlock], loaded: list[memoryview]) -> None:
         """The first new blocks of an admitted request receive the loaded KV."""
         self._meta.loads.extend((b.block_id, data) for b, data in zip(new_blocks, loaded))
         self.num_external_hit_tokens += len(loaded) * self.block_size

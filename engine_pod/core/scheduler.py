@@ -31,9 +31,7 @@ from engine_pod.core.stats import SchedulerStats, SpecDecodeStats
 from engine_pod.core.stop_check import append_until_stop
 from engine_pod.request import Request, RequestStatus
 
-if TYPE_CHECKING:  # torch and the manager (which pulls in xgrammar): the scheduler itself needs neither
-    import torch
-
+if TYPE_CHECKING:  # the manager pulls in xgrammar and torch: the scheduler itself needs neither
     from engine_pod.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -278,7 +276,7 @@ class Scheduler:
             request = self.waiting.peek()
             hits: list[KVCacheBlock] = []
             num_hit_tokens = 0
-            loaded: list[torch.Tensor] = []
+            loaded: list[memoryview] = []  # payloads of blocks read from the KV store
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
                 if self.connector is not None:

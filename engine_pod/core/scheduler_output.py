@@ -43,8 +43,8 @@ class KVConnectorMetadata:
 
     # (block id, block hash): evicted from the prefix cache, copy to the host tier first.
     offloads: list[tuple[int, bytes]] = field(default_factory=list)
-    # (block id, decoded block [layers, 2, block_size, kv heads, head dim]) to write in.
-    loads: list[tuple[int, object]] = field(default_factory=list)
+    # (block id, the block's payload as the store decoded it: kv_store/codec.py) to write in.
+    loads: list[tuple[int, memoryview]] = field(default_factory=list)
     # (block id, block hash, write to Redis before the step returns) filled this step.
     saves: list[tuple[int, bytes, bool]] = field(default_factory=list)
 

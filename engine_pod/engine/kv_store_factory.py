@@ -19,7 +19,7 @@ def build_kv_store(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> 
     layout = BlockLayout(
         fingerprint=fingerprint, tp_rank=tp_rank, tp_size=tp_size, num_layers=arch.num_hidden_layers,
         block_size=config.cache.block_size, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
-        dtype=config.model.dtype,
+        dtype=dtype_name,
     )
     remote = None
     if kv.redis_url is not None:

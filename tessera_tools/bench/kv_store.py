@@ -62,14 +62,8 @@ def _ttft_runs(args, redis_url: str) -> tuple[dict, BlockLayout]:
     for name in ("host_tier", "redis"):
         result[name]["speedup_vs_recompute"] = result["recompute"]["median_ttft_s"] / result[name]["median_ttft_s"]
     layout = writer.engine_core.kv_store.codec.layout
-    result["block_bytes"] = len(writer.engine_core.kv_store.codec.encode(b"\0" * 32, _zeros(layout)))
+    result["block_bytes"] = len(writer.engine_core.kv_store.codec.encode(b"\0" * 32, bytes(layout.payload_bytes)))
     return result, layout
-
-
-def _zeros(layout: BlockLayout):
-    import torch
-
-    return torch.zeros(layout.block_shape, dtype=layout.dtype)
 
 
 # A 2 MiB block: Llama-3-8B's shape (32 layers, 8 KV heads of 128, bf16, 16 tokens).
@@ -79,19 +73,22 @@ _LARGE_LAYOUT = dict(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128)
 def _codec_costs(layout: BlockLayout, repeats: int) -> dict:
     """Milliseconds per block of each codec step (best of ``repeats``): the
     host tier's encode and decode, and the MAC's share on the Redis path
-    (sign on the write-behind thread, verification on the engine step)."""
+    (sign on the write-behind thread, verification on the engine step).
+    Encode and decode include the tensor's conversion, as the engine's worker does it."""
     import torch
 
+    from kv_store.tensor_codec import block_payload, payload_block, torch_dtype
+
     codec = BlockCodec(layout, InternalSecret.generate().kv_mac_key)
-    block = torch.randn(layout.block_shape).to(layout.dtype)
+    block = torch.randn(layout.block_shape).to(torch_dtype(layout))
     h = b"\1" * 32
-    value = codec.encode(h, block)
+    value = codec.encode(h, block_payload(layout, block))
     signed = codec.sign(value)
     steps = {
-        "encode_ms": lambda: codec.encode(h, block),
+        "encode_ms": lambda: codec.encode(h, block_payload(layout, block)),
         "sign_ms": lambda: codec.sign(value),
-        "decode_host_ms": lambda: codec.decode(h, value, verify_mac=False),
-        "decode_verified_ms": lambda: codec.decode(h, signed),
+        "decode_host_ms": lambda: payload_block(layout, codec.decode(h, value, verify_mac=False)),
+        "decode_verified_ms": lambda: payload_block(layout, codec.decode(h, signed)),
     }
     out = {"block_bytes": len(signed)}
     for name, step in steps.items():

@@ -1,12 +1,12 @@
-"""What the kv_store tests share: a small layout, its blocks and hashes, codecs under two
-deployments' keys, the forgeries a reader must refuse, and a Redis tier in a fixed namespace."""
+"""What the kv_store tests share: a small layout, its blocks' payloads and hashes, codecs under two
+deployments' keys, the forgeries a reader must refuse, and a Redis tier in a fixed namespace.
+Nothing here imports torch: the store moves bytes (tensors are test_tensor_codec.py's)."""
 
 from __future__ import annotations
 
+import random
 import struct
 import zlib
-
-import torch
 
 from kv_store.block_hash import hash_request_tokens
 from kv_store.codec import HEADER_SIZE, MAC_BYTES, BlockCodec, BlockLayout
@@ -14,16 +14,15 @@ from kv_store.redis_tier import RedisTier, RedisTierConfig
 from tessera.internal_secret import InternalSecret
 
 LAYOUT = BlockLayout(b"f" * 16, tp_rank=0, tp_size=1, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8,
-                     dtype=torch.bfloat16)
+                     dtype="bfloat16")
 # This deployment's KV key, and another deployment's.
 KEY = InternalSecret.from_text("kv-store-tests-deployment-a-0123456789").kv_mac_key
 OTHER_KEY = InternalSecret.from_text("kv-store-tests-deployment-b-0123456789").kv_mac_key
 
 
-def make_block(seed: int, layout: BlockLayout = LAYOUT) -> torch.Tensor:
-    """A block of random KV for the layout, the same for the same seed."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(layout.block_shape, generator=g).to(layout.dtype)
+def make_payload(seed: int, layout: BlockLayout = LAYOUT) -> bytes:
+    """A block's payload of random bytes for the layout, the same for the same seed."""
+    return random.Random(seed).randbytes(layout.payload_bytes)
 
 
 def block_hash(i: int) -> bytes:
@@ -37,12 +36,12 @@ def make_codec(key: bytes | None = KEY, layout: BlockLayout = LAYOUT) -> BlockCo
 
 def genuine_value(i: int) -> bytes:
     """Block i as the shared tiers hold it: encoded and signed with this deployment's key."""
-    return make_codec().sign(make_codec().encode(block_hash(i), make_block(i)))
+    return make_codec().sign(make_codec().encode(block_hash(i), make_payload(i)))
 
 
 def tampered_payload(value: bytes) -> bytes:
     """The same header (and MAC), another block's KV: what a forger writes."""
-    return value[:HEADER_SIZE] + make_codec().encode(block_hash(9), make_block(9))[HEADER_SIZE:]
+    return value[:HEADER_SIZE] + make_codec().encode(block_hash(9), make_payload(9))[HEADER_SIZE:]
 
 
 def _v1_forgery(value: bytes) -> bytes:
@@ -50,7 +49,7 @@ def _v1_forgery(value: bytes) -> bytes:
     and a recomputed CRC32 over a forged payload: what CRC32 used to accept."""
     v1 = struct.Struct("<4sH16sHHIIB4I32sQI")
     lay = LAYOUT
-    payload = make_codec().encode(block_hash(9), make_block(9))[HEADER_SIZE:]
+    payload = make_codec().encode(block_hash(9), make_payload(9))[HEADER_SIZE:]
     crc = zlib.crc32(payload, zlib.crc32(block_hash(0)))
     header = v1.pack(b"TKV1", 1, lay.fingerprint, lay.tp_rank, lay.tp_size, lay.block_size, lay.num_layers, 3, 2,
                      lay.block_size, lay.num_kv_heads, lay.head_dim, block_hash(0), len(payload), crc)

@@ -4,12 +4,11 @@ passwords never shown, TLS, Redis Cluster and an ACL user confined to the key pr
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kv_store.host_tier import HostMemoryTier
 from kv_store.redis_tier import RedisTierConfig
 from kv_store.tiered_store import TieredKVStore
-from tests.kv_store.blocks import block_hash, make_block, make_codec, make_redis_tier
+from tests.kv_store.blocks import block_hash, make_codec, make_payload, make_redis_tier
 
 
 def test_redis_tier_round_trip_with_namespace_and_ttl(redis_server):
@@ -55,8 +54,8 @@ def test_redis_tier_spreads_blocks_over_a_redis_cluster(tmp_path):
         assert tier.get_many([h for h, _ in items]) == [v for _, v in items]
         assert tier.exists_many([block_hash(0), block_hash(99)]) == [True, False]
         store = TieredKVStore(make_codec(), HostMemoryTier(0), tier)
-        store.put(block_hash(100), make_block(3), sync_remote=True)
-        assert torch.equal(store.get_blocks([block_hash(100)])[0], make_block(3))
+        store.put(block_hash(100), make_payload(3), sync_remote=True)
+        assert store.get_blocks([block_hash(100)]) == [make_payload(3)]
         # The keys landed on more than one node.
         import redis as redis_py
 
@@ -175,8 +174,8 @@ def test_a_redis_acl_user_confined_to_the_key_prefix_serves_the_tier(redis_serve
         "-@all", *[f"+{c}" for c in REDIS_COMMANDS])
     url = f"redis://llama-pods:pods-password-0123@127.0.0.1:{redis_server.port}/0"
     store = TieredKVStore(make_codec(), HostMemoryTier(0), make_redis_tier(url, key_prefix=prefix))
-    store.put(block_hash(0), make_block(0), sync_remote=True)
-    assert store.lookup([block_hash(0)]) == 1 and torch.equal(store.get_blocks([block_hash(0)])[0], make_block(0))
+    store.put(block_hash(0), make_payload(0), sync_remote=True)
+    assert store.lookup([block_hash(0)]) == 1 and store.get_blocks([block_hash(0)]) == [make_payload(0)]
     store.remote.delete(block_hash(0))
     assert store.remote.errors == 0
     assert redis_server.client.execute_command("ACL", "LOG") == []  # no command was denied

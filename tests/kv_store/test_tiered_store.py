@@ -6,13 +6,14 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from kv_store.block_hash import hash_request_tokens
 from kv_store.codec import HEADER_SIZE, MAC_BYTES
 from kv_store.host_tier import HostMemoryTier
 from kv_store.tiered_store import TieredKVStore
-from tests.kv_store.blocks import FORGERIES, KEY, block_hash, make_block, make_codec, make_redis_tier, tampered_payload
+from tests.kv_store.blocks import (
+    FORGERIES, KEY, block_hash, make_codec, make_payload, make_redis_tier, tampered_payload,
+)
 
 
 def _store(url: str | None = None, host_bytes: int = 1 << 20, key: bytes | None = KEY, **kw) -> TieredKVStore:
@@ -28,19 +29,19 @@ def test_the_redis_tier_needs_a_mac_key(redis_server):
 
 def test_only_values_bound_for_redis_are_signed(redis_server):
     store = _store(redis_server.url)
-    store.put(block_hash(0), make_block(0), sync_remote=True)
-    store.put(block_hash(1), make_block(1))
+    store.put(block_hash(0), make_payload(0), sync_remote=True)
+    store.put(block_hash(1), make_payload(1))
     assert store.flush()
     for h in (block_hash(0), block_hash(1)):
         in_redis = redis_server.client.get(store.remote.key(h))
-        assert torch.equal(store.codec.decode(h, in_redis), store.codec.decode(h, store.host.get(h), verify_mac=False))
+        assert store.codec.decode(h, in_redis) == store.codec.decode(h, store.host.get(h), verify_mac=False)
         assert store.host.get(h)[HEADER_SIZE - MAC_BYTES: HEADER_SIZE] == bytes(MAC_BYTES)
     store.close()
 
 
 def test_put_reaches_both_tiers_and_get_promotes(redis_server):
     store = _store(redis_server.url)
-    blocks = [make_block(i) for i in range(3)]
+    blocks = [make_payload(i) for i in range(3)]
     for i, b in enumerate(blocks):
         store.put(block_hash(i), b)
     assert store.flush()
@@ -48,7 +49,7 @@ def test_put_reaches_both_tiers_and_get_promotes(redis_server):
     # A second store (another pod) with an empty host tier reads from Redis.
     other = _store(redis_server.url)
     got = other.get_blocks([block_hash(0), block_hash(1), block_hash(2), block_hash(3)])
-    assert len(got) == 3 and all(torch.equal(g, b) for g, b in zip(got, blocks))
+    assert got == blocks
     assert other.stats.redis_hits == 3 and other.stats.host_hits == 0
     assert other.get_blocks([block_hash(0)]) and other.stats.host_hits == 1  # promoted
     store.close()
@@ -59,7 +60,7 @@ def test_refused_redis_values_are_misses_deleted_and_counted_by_reason(redis_ser
     """Every forgery of the codec test, planted in Redis: refused, deleted,
     counted, never promoted to the host tier."""
     writer = _store(redis_server.url)
-    writer.put(block_hash(0), make_block(0), sync_remote=True)
+    writer.put(block_hash(0), make_payload(0), sync_remote=True)
     genuine = redis_server.client.get(writer.remote.key(block_hash(0)))
     reader = _store(redis_server.url)
     expected: dict = {}
@@ -73,10 +74,10 @@ def test_refused_redis_values_are_misses_deleted_and_counted_by_reason(redis_ser
     assert reader.stats.redis_hits == 0 and len(reader.host) == 0
     # The genuine value is still accepted, and the run stops at a refused one.
     for i in range(3):
-        writer.put(block_hash(i), make_block(i), sync_remote=True)
+        writer.put(block_hash(i), make_payload(i), sync_remote=True)
     redis_server.client.set(writer.remote.key(block_hash(1)), tampered_payload(genuine))
     got = reader.get_blocks([block_hash(0), block_hash(1), block_hash(2)])
-    assert len(got) == 1 and torch.equal(got[0], make_block(0))
+    assert got == [make_payload(0)]
     assert reader.stats.rejected[("redis", "mac")] == expected[("redis", "mac")] + 1
     assert reader.stats.rejected_values == sum(expected.values()) + 1
 
@@ -85,7 +86,7 @@ def test_refused_values_are_exposed_as_a_metric_by_tier_and_reason(redis_server)
     from engine_pod.server.metrics import KVStoreCollector
 
     store = _store(redis_server.url)
-    store.put(block_hash(0), make_block(0), sync_remote=True)
+    store.put(block_hash(0), make_payload(0), sync_remote=True)
     redis_server.client.set(store.remote.key(block_hash(0)), b"garbage")
     store.host.delete(block_hash(0))
     assert store.get_blocks([block_hash(0)]) == []
@@ -101,7 +102,7 @@ def test_write_behind_drops_when_the_queue_is_full(redis_server):
     redis_server.proc.send_signal(__import__("signal").SIGSTOP)  # Redis stalls: the queue fills
     try:
         for i in range(20):
-            store.put(block_hash(i), make_block(i))
+            store.put(block_hash(i), make_payload(i))
         assert store.stats.writes_dropped > 0
         assert len(store.host) == 20  # the host tier took every block
     finally:
@@ -111,12 +112,12 @@ def test_write_behind_drops_when_the_queue_is_full(redis_server):
 
 def test_redis_killed_mid_run_degrades_to_misses(redis_server):
     store = _store(redis_server.url, host_bytes=0)
-    store.put(block_hash(0), make_block(0), sync_remote=True)
+    store.put(block_hash(0), make_payload(0), sync_remote=True)
     assert len(store.get_blocks([block_hash(0)])) == 1
     redis_server.stop()
     start = time.monotonic()
     assert store.get_blocks([block_hash(0)]) == []
-    store.put(block_hash(1), make_block(1), sync_remote=True)  # no exception
+    store.put(block_hash(1), make_payload(1), sync_remote=True)  # no exception
     assert time.monotonic() - start < 2.0
     assert store.remote.errors >= 1
 
@@ -127,7 +128,7 @@ def test_salts_never_share_blocks_in_any_tier(redis_server):
     a = hash_request_tokens(tokens, 4, cache_salt="tenant-a")
     b = hash_request_tokens(tokens, 4, cache_salt="tenant-b")
     for i, h in enumerate(a):
-        store.put(h, make_block(i), sync_remote=True)
+        store.put(h, make_payload(i), sync_remote=True)
     assert store.lookup(a) == len(a)
     assert store.lookup(b) == 0
     assert _store(redis_server.url, host_bytes=0).get_blocks(b) == []
