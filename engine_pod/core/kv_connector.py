@@ -50,6 +50,8 @@ class KVConnectorScheduler:
     def on_evict(self, block: KVCacheBlock) -> None:
         """BlockPool hook: a cached block (it has a hash) is about to be reused."""
         block_hash = block.block_hash
+        if not self.store.host.capacity_bytes:
+            return  # no host tier (Redis alone): the copy would only be thrown away
         if block_hash is not None and block_hash not in self.store.host:
             self._meta.offloads.append((block.block_id, block_hash))
 
