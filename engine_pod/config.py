@@ -39,6 +39,15 @@ class ModelConfig:
     max_model_len: int
     """Longest sequence (prompt plus output, in tokens) a request may reach."""
 
+    @property
+    def kv_dtype_name(self) -> str:
+        """The dtype of the KV blocks, by name: the compute dtype; a simulated
+        engine, which computes in none, holds (and stores) its blocks in the
+        checkpoint's stored dtype."""
+        if self.dtype is not None:
+            return dtype_name(self.dtype)
+        return self.arch.checkpoint_dtype or "float32"
+
 
 @dataclass
 class CacheConfig:
@@ -268,8 +277,8 @@ def _check_device_count(device: torch.device, tensor_parallel_size: int) -> None
         )
 
 
-def _check_simulable(dtype, device: str | None, parallel: ParallelConfig, speculative: SpeculativeConfig | None,
-                     kv_host_bytes: int, kv_redis_url: str | None) -> None:
+def _check_simulable(dtype, device: str | None, parallel: ParallelConfig,
+                     speculative: SpeculativeConfig | None) -> None:
     """What a simulated engine does not model is refused, not silently ignored."""
     if dtype != "auto":
         dtype_name(dtype)  # a bad name is still named as such
@@ -282,8 +291,6 @@ def _check_simulable(dtype, device: str | None, parallel: ParallelConfig, specul
                          "step times of whatever parallelism it was fitted on")
     if speculative is not None:
         raise ValueError("speculative_config: a simulated engine does not model speculative decoding")
-    if kv_host_bytes or kv_redis_url is not None:
-        raise ValueError("kv_host_bytes / kv_redis_url: a simulated engine has no KV store yet")
 
 
 def _kv_mac_key_from_env() -> bytes | None:
@@ -332,7 +339,7 @@ def create_engine_config(
     arch = load_arch_config(path)
     parallel.validate_for(arch)
     if simulate:
-        _check_simulable(dtype, device, parallel, speculative, kv_host_bytes, kv_redis_url)
+        _check_simulable(dtype, device, parallel, speculative)
         dev, model_dtype = None, None
     else:
         dev = _resolve_device(device)

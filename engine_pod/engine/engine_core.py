@@ -14,6 +14,7 @@ from engine_pod.core.prefix_cache_keys import PrefixCacheKeyLog
 from engine_pod.core.scheduler import Scheduler
 from engine_pod.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from engine_pod.core.stats import EngineTotals, SchedulerStats
+from engine_pod.engine.kv_store_factory import build_kv_store
 from engine_pod.executor import Executor, create_executor
 from engine_pod.request import Request, RequestStatus
 from kv_store.block_hash import BlockHash
@@ -81,11 +82,9 @@ class EngineCore:
         self.kv_store = None
         connector = None
         if config.kv_store.enabled:
-            from engine_pod.engine.kv_store_factory import build_kv_store  # torch: never in a simulated engine
-
-            self.kv_store = build_kv_store(config)
             if not config.cache.enable_prefix_caching:
                 raise ValueError("the KV store addresses blocks by their prefix hashes: it needs enable_prefix_caching")
+            self.kv_store = build_kv_store(config)
             self.executor.attach_kv_store(self.kv_store)
             connector = KVConnectorScheduler(self.kv_store, block_size)
         self.structured_output = None if config.simulated else self._grammar_manager(config)

@@ -9,13 +9,18 @@ from kv_store.host_tier import HostMemoryTier
 from kv_store.redis_tier import RedisTier
 from kv_store.tiered_store import TieredKVStore
 
+# Part of a simulated engine's fingerprint: its blocks hold filler, never KV,
+# so they live under keys (and carry headers) that no real engine ever reads.
+SIMULATED_FINGERPRINT_TAG = "simulated"
+
 
 def build_kv_store(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> TieredKVStore:
     arch, kv = config.model.arch, config.kv_store
-    dtype_name = str(config.model.dtype).removeprefix("torch.")
+    dtype_name = config.model.kv_dtype_name
     # The format version is part of what a value must match: values of
     # another version live under other keys and are never even fetched.
-    fingerprint = model_fingerprint(config.model.path, dtype_name, extra=f"kv-format-{FORMAT_VERSION}")
+    extra = f"kv-format-{FORMAT_VERSION}" + (f":{SIMULATED_FINGERPRINT_TAG}" if config.simulated else "")
+    fingerprint = model_fingerprint(config.model.path, dtype_name, extra=extra)
     layout = BlockLayout(
         fingerprint=fingerprint, tp_rank=tp_rank, tp_size=tp_size, num_layers=arch.num_hidden_layers,
         block_size=config.cache.block_size, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,

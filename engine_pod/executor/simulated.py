@@ -5,6 +5,11 @@ step-time profile predicts for it, slept in real time.
 The profile was fitted on the executor's own time per step (the engine
 core's step_observer), so sleeping its prediction here leaves the real
 scheduler, KV cache manager and server around it costing what they cost.
+
+With a KV store, the step also does the real store work a worker does
+(engine_pod/sim/kv_transfer.py: filler blocks saved to the host tier and
+Redis, signed), charged at the profile's per_kv_byte_s; that work is part
+of the step, so the sleep is what is left of the prediction after it.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from engine_pod.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from engine_pod.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine_pod.executor.abstract import Executor
 from engine_pod.model.hf_config import DTYPE_BYTES
+from engine_pod.sim.kv_transfer import SimulatedKVTransfer
 from engine_pod.sim.step_features import step_features
 from engine_pod.sim.step_profile import StepTimeProfile
 from engine_pod.sim.tokens import prompt_seed, simulated_token
+from kv_store.tiered_store import TieredKVStore
 from tessera.text import load_eos_token_ids
 
 
@@ -41,12 +48,13 @@ class SimulatedExecutor(Executor):
         self._eos = frozenset(load_eos_token_ids(config.model.path))
         self._requests: dict[str, _SimulatedRequest] = {}
         self._forward_seconds = 0.0
+        self._kv_transfer: SimulatedKVTransfer | None = None
 
     def kv_bytes_per_block(self) -> int:
         """What a block of this checkpoint takes, in its stored dtype (K and V, every layer)."""
         arch = self.config.model.arch
         per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim
-        return per_token * self.config.cache.block_size * DTYPE_BYTES[arch.checkpoint_dtype or "float32"]
+        return per_token * self.config.cache.block_size * DTYPE_BYTES[self.config.model.kv_dtype_name]
 
     def determine_num_blocks(self) -> int:
         budget = self.config.cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
@@ -55,8 +63,8 @@ class SimulatedExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         pass  # the blocks are the KV cache manager's bookkeeping alone
 
-    def attach_kv_store(self, store) -> None:
-        raise ValueError("a simulated engine has no KV store yet")
+    def attach_kv_store(self, store: TieredKVStore) -> None:
+        self._kv_transfer = SimulatedKVTransfer(store)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in scheduler_output.finished_req_ids:
@@ -74,10 +82,19 @@ class SimulatedExecutor(Executor):
             token = simulated_token(request.seed, request.num_tokens, self._vocab_size, self._eos)
             request.num_tokens += 1
             sampled[req_id] = [token]
-        duration = self.profile.predict(step_features(scheduler_output))
-        self._sleep(duration)
+        duration = self.profile.predict(step_features(scheduler_output, self.kv_bytes_per_block()))
+        self._sleep(max(0.0, duration - self._move_kv(scheduler_output)))
         self._forward_seconds += duration
         return ModelRunnerOutput(sampled_token_ids=sampled)
+
+    def _move_kv(self, scheduler_output: SchedulerOutput) -> float:
+        """The step's KV store work, done for real; the seconds it took."""
+        meta = scheduler_output.kv_connector
+        if self._kv_transfer is None or not meta:
+            return 0.0
+        start = time.perf_counter()
+        self._kv_transfer.run(meta)
+        return time.perf_counter() - start
 
     def collective_rpc(self, method: str, *args) -> list:
         return [getattr(self, method)(*args)]

@@ -7,13 +7,17 @@ from engine_pod.core.scheduler_output import SchedulerOutput
 from engine_pod.sim.step_profile import StepFeatures
 
 
-def step_features(output: SchedulerOutput) -> StepFeatures:
+def step_features(output: SchedulerOutput, kv_bytes_per_block: int = 0) -> StepFeatures:
     """A request whose computed tokens (before this step) have not reached
     the end of its prompt is prefilling: all its scheduled tokens are prefill
     tokens. Otherwise it decodes one token, and any further scheduled tokens
     (drafts it verifies, outputs recomputed after a preemption) are computed
     in parallel like prefill tokens. Every request attends to the tokens it
-    has in the KV cache already (num_computed_tokens)."""
+    has in the KV cache already (num_computed_tokens), loaded ones included.
+
+    The KV bytes moved are ``kv_bytes_per_block`` (the engine's block, K and
+    V of every layer) for each block the KV connector copies between the
+    cache and the store around the step: loaded, saved or offloaded."""
     progress = [(r.req_id, r.num_computed_tokens, len(r.prompt_token_ids)) for r in output.scheduled_new_reqs]
     progress += [(r.req_id, r.num_computed_tokens, r.num_prompt_tokens) for r in output.scheduled_cached_reqs]
     prefill = decode = context = 0
@@ -25,4 +29,10 @@ def step_features(output: SchedulerOutput) -> StepFeatures:
         else:
             decode += 1
             prefill += num_scheduled - 1
-    return StepFeatures(num_prefill_tokens=prefill, num_decode_seqs=decode, num_context_tokens=context)
+    return StepFeatures(num_prefill_tokens=prefill, num_decode_seqs=decode, num_context_tokens=context,
+                        kv_bytes_moved=kv_bytes_per_block * _blocks_moved(output))
+
+
+def _blocks_moved(output: SchedulerOutput) -> int:
+    meta = output.kv_connector
+    return 0 if meta is None else len(meta.loads) + len(meta.saves) + len(meta.offloads)

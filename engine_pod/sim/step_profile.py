@@ -33,7 +33,8 @@ class StepFeatures:
     num_context_tokens: int
     """Tokens already in the KV cache that this step's requests attend to."""
     kv_bytes_moved: int = 0
-    """KV bytes loaded or saved around the step (0 until P/D simulation uses it)."""
+    """KV bytes the step copies between the KV cache and the KV store (loads,
+    saves, offloads), charged as if the copy did not overlap the compute."""
 
     def as_row(self) -> tuple[float, ...]:
         """The regression row: 1 for the base time, then each feature."""

@@ -1,7 +1,8 @@
 """Simulated engine pods (`tessera engine --simulate`) under the real
 gateway, at small N: what the gateway sends and routes is checked against
-the simulated pods' deterministic tokens, and a killed host of pods is
-routed around without losing a request. The big fleets (16-256 pods) are
+the simulated pods' deterministic tokens, a killed host of pods is
+routed around without losing a request, and split prefill and decode pools
+hand prompts over through a real Redis. The big fleets (16-256 pods) are
 `tessera bench fleet`'s."""
 
 from __future__ import annotations
@@ -188,3 +189,37 @@ def test_a_killed_host_of_pods_loses_no_request(tiny_llama, tmp_path, expected, 
     assert [o["tokens"] for o in done_second] == [expected(p, 12) for p in second]
     assert retries >= 1  # the second wave's requests on the killed pods went elsewhere
     assert [o["tokens"] for o in after] == [expected(p, 4) for p in first[:8]]
+
+
+def test_simulated_pools_disaggregate_through_the_store(tiny_llama, tmp_path, expected, fast_sim_profile,
+                                                        redis_server):
+    """A simulated prefill pool and decode pool sharing a real Redis: the
+    gateway prefills a long prompt on the first, the second loads its
+    blocks from the store (cached tokens) and streams the prompt's own
+    tokens; a short prompt stays on the decode pod alone."""
+    store = SIM_ARGS + ["--kv-redis-url", redis_server.url]
+    with SimulatedPodsProcess(tiny_llama, fast_sim_profile, 1, store + ["--role", "prefill"],
+                              log_path=tmp_path / "prefill.log") as prefill, \
+            SimulatedPodsProcess(tiny_llama, fast_sim_profile, 1, store + ["--role", "decode"],
+                                 log_path=tmp_path / "decode.log") as decode:
+        prefill.wait_serving()
+        decode.wait_serving()
+        pods = [(SimpleNamespace(address=prefill.addresses[0]), "prefill"),
+                (SimpleNamespace(address=decode.addresses[0]), "decode")]
+        config = gateway_config(tiny_llama, pods, write_tenants(tmp_path / "tenants.yaml"),
+                                disaggregation={"min_uncached_tokens": 48})
+        with GatewayProcess(config, tmp_path, log_path=tmp_path / "gateway.log") as gw:
+            gw.wait_ready(num_pods=2)
+            long_prompt, short_prompt = list(range(1000, 1100)), list(range(2000, 2020))
+            with grpc.insecure_channel(gw.grpc_address) as channel:
+                stub = pb_grpc.InferenceStub(channel)
+                long_out, short_out = _complete(stub, long_prompt, 6), _complete(stub, short_prompt, 6)
+            prefilled = metric_sum(gw.metrics_url, "tessera:gateway_routing_decisions_total", role="prefill",
+                                   kind="prefill")
+        redis_hits = metric_sum(f"http://127.0.0.1:{decode.metrics_ports[0]}/metrics", "tessera:kv_store_hits_total",
+                                tier="redis")
+    assert list(long_out.choices[0].token_ids) == expected(long_prompt, 6)
+    assert list(short_out.choices[0].token_ids) == expected(short_prompt, 6)
+    assert prefilled == 1
+    assert long_out.usage.cached_tokens == 6 * 16 and short_out.usage.cached_tokens == 0
+    assert redis_hits == 6

@@ -18,8 +18,9 @@ FROM_ZERO_MARGIN_S = 2.0
 # The report's SLO attainment over time, in bins of this many seconds of the trace.
 SLO_BIN_S = 15.0
 
-DISAGGREGATED_NOTE = ("only a mixed pool is scaled: prefill/decode pools cannot be simulated yet (simulated pods "
-                      "have no KV store, so no P/D transfer)")
+DISAGGREGATED_NOTE = ("only a mixed pool is scaled: simulated pods can run P/D through the KV store "
+                      "(docs/simulation.md), but this scenario does not split the fleet into prefill and "
+                      "decode pools yet")
 
 
 def _relative(rows: list[dict], t0: float) -> list[dict]:

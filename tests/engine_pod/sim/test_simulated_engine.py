@@ -93,7 +93,6 @@ def test_the_kv_pool_is_sized_from_the_checkpoints_block_bytes(tiny_llama):
     ({"device": "cpu"}, "device"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
-    ({"kv_host_bytes": 1 << 20}, "kv_host_bytes"),
 ])
 def test_what_a_simulation_does_not_model_is_refused(tiny_llama, kwargs, field):
     with pytest.raises(ValueError, match=field):

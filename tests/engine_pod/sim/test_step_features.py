@@ -38,3 +38,16 @@ def test_a_mixed_step():
     sched.add_request(make_req("c", 6))
     out, _ = step(sched)  # a decodes, c prefills
     assert step_features(out) == StepFeatures(num_prefill_tokens=6, num_decode_seqs=1, num_context_tokens=10)
+
+
+def test_kv_bytes_moved_count_every_block_the_connector_copies():
+    from engine_pod.core.scheduler_output import KVConnectorMetadata
+
+    sched = make_sched()
+    sched.add_request(make_req("a", 10))
+    out, _ = step(sched)
+    assert step_features(out, kv_bytes_per_block=100).kv_bytes_moved == 0  # no KV store
+    out.kv_connector = KVConnectorMetadata(offloads=[(1, b"h1")], loads=[(2, memoryview(b"")), (3, memoryview(b""))],
+                                           saves=[(4, b"h4", True)])
+    assert step_features(out, kv_bytes_per_block=100).kv_bytes_moved == 4 * 100
+    assert step_features(out) == StepFeatures(num_prefill_tokens=10, num_decode_seqs=0, num_context_tokens=0)

@@ -372,7 +372,7 @@ def test_autoscale_from_zero_end_to_end(tiny_llama, fast_profile, tmp_path):
     c = report["comparison"]
     assert c["static_pod_minutes"] == pytest.approx(3 * static["window_s"] / 60, rel=0.01)
     assert 0 < c["pod_minutes_ratio"] < 1 and isinstance(c["acceptance"]["met"], bool)
-    assert report["order"] == ["autoscaled", "static"] and "P/D transfer" in report["limits"][0]
+    assert report["order"] == ["autoscaled", "static"] and "prefill and decode pools" in report["limits"][0]
     assert (tmp_path / "plots" / "autoscale_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
