@@ -125,10 +125,21 @@ class AdmissionConfig:
 
 @dataclass(frozen=True)
 class RouterWeights:
+    """The score's weights (gateway/router.py); all >= 0."""
+
     prefix: float = 1.0
+    """Per share of the prompt's tokens in the pod's prefix cache."""
+    prefill_backlog: float = 0.5
+    """Per share of the prompt's length the pod must prefill before it (its pending prefill tokens).
+    At half of `prefix` a pod holding the prefix wins while its backlog is under twice what its cache
+    saves: sending the prompt to a cold pod costs the fleet that prefill, and a report up to one
+    interval old still counts prompts prefilled since."""
     waiting: float = 0.5
+    """Per waiting request, as a share of admission.max_waiting_per_pod."""
     running: float = 0.2
+    """Per running request, as a share of router.running_norm."""
     kv_usage: float = 0.3
+    """Per fraction of the pod's KV blocks in use."""
 
 
 @dataclass(frozen=True)
@@ -239,7 +250,8 @@ class GatewayConfig:
         _check(self.router.policy in ROUTER_POLICIES,
                f"router.policy: {self.router.policy!r} is not one of {ROUTER_POLICIES}")
         w = self.router.weights
-        _check(min(w.prefix, w.waiting, w.running, w.kv_usage) >= 0, "router.weights must be >= 0")
+        weights = (w.prefix, w.prefill_backlog, w.waiting, w.running, w.kv_usage)
+        _check(min(weights) >= 0, "router.weights must be >= 0")
         _check(self.router.running_norm >= 1, "router.running_norm must be >= 1")
         _check(self.router.load_interval_ms >= 10, "router.load_interval_ms must be >= 10")
         # A report may come one interval late without the pod being stalled.

@@ -3,10 +3,20 @@
 Three policies (`router.policy`); `score` and `bounded` rank with one formula:
 
     score(pod) =   w_prefix  * cached_fraction
+                 - w_prefill_backlog * pending_prefill_tokens / prompt_tokens
                  - w_waiting * (waiting + dispatched_since_report) / max_waiting_per_pod
                  - w_running * running / running_norm
                  - w_kv      * kv_cache_usage
                  + tie_break
+
+The first two terms are in one unit, tokens as a share of the prompt: what
+the pod's cache saves this prompt against what the pod must prefill before
+it (the backlog of its last load report). At the default weights (1 and
+0.5) a pod holding the prefix keeps winning while its backlog is under
+twice the tokens its cache saves: beyond, the request's first token comes
+much sooner on a cold pod, worth the prefill it costs there. Without the
+backlog term a pod caching every tenant's system prompt (the first pod of
+a fleet scaled up from one) took every request however long its queue grew.
 
 `cached_fraction` is the share of the prompt's tokens in the pod's prefix
 cache: the leading blocks of the prompt's chained hashes (computed with the
@@ -70,8 +80,8 @@ the fleet size, chosen without any state a replica would have to share:
   geometrically, so over a conversation they add up to a small multiple of
   its final prompt, where landing anywhere costs a full prefill per turn.
 - Load candidates: the `load_candidates` least loaded other pods by their
-  pushed reports (waiting including this gateway's dispatched_since_report,
-  then running, then KV usage; equal loads from a position the prompt's
+  pushed reports (the prefill backlog, then waiting including this
+  gateway's dispatched_since_report, then running, then KV usage; equal loads from a position the prompt's
   key picks, so prompts spread over equally idle pods): when the
   affinity candidates are busy, an idle pod can still win on score, as under
   `score`. Reports reach all replicas alike, but each replica counts only its
@@ -123,6 +133,7 @@ class PodLoad:
     waiting: int
     running: int
     kv_usage: float
+    pending_prefill_tokens: int = 0
 
 
 @dataclass
@@ -132,10 +143,12 @@ class ScoredPod:
     matched_blocks: int
 
 
-def score_pod(cached_fraction: float, load: PodLoad, config: RouterConfig, max_waiting: int) -> float:
+def score_pod(cached_fraction: float, load: PodLoad, config: RouterConfig, max_waiting: int,
+              num_prompt_tokens: int) -> float:
     w = config.weights
     return (
         w.prefix * cached_fraction
+        - w.prefill_backlog * load.pending_prefill_tokens / max(1, num_prompt_tokens)
         - w.waiting * load.waiting / max_waiting
         - w.running * load.running / config.running_norm
         - w.kv_usage * load.kv_usage
@@ -188,8 +201,8 @@ def least_loaded(pods: list[Pod], count: int, key: bytes) -> list[Pod]:
     if count <= 0 or not pods:
         return []
     spread = int.from_bytes(key[:8], "big")
-    loads = [(p.waiting(), p.load.num_running, p.load.kv_cache_usage, p.address_hash ^ spread, i)
-             for i, p in enumerate(pods)]
+    loads = [(p.pending_prefill_tokens(), p.waiting(), p.load.num_running, p.load.kv_cache_usage,
+              p.address_hash ^ spread, i) for i, p in enumerate(pods)]
     return [pods[entry[-1]] for entry in heapq.nsmallest(count, loads)]
 
 
@@ -286,8 +299,9 @@ class Router:
 
     def _scored(self, pod: Pod, blocks: int, num_prompt_tokens: int, tie: float) -> ScoredPod:
         fraction = min(1.0, blocks * self.block_size / max(1, num_prompt_tokens))
-        load = PodLoad(pod.waiting(), pod.load.num_running, pod.load.kv_cache_usage)
-        return ScoredPod(pod, score_pod(fraction, load, self.config, self.max_waiting) + tie, blocks)
+        load = PodLoad(pod.waiting(), pod.load.num_running, pod.load.kv_cache_usage, pod.pending_prefill_tokens())
+        score = score_pod(fraction, load, self.config, self.max_waiting, num_prompt_tokens)
+        return ScoredPod(pod, score + tie, blocks)
 
     def _rotate(self, role: str, pods: list[Pod]) -> list[ScoredPod]:
         """The pods starting at this role's turn (the rest stay as retry

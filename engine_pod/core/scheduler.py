@@ -15,6 +15,8 @@ the rejected ones, whose KV slots the next step overwrites.
 
 from __future__ import annotations
 
+import itertools
+
 import logging
 import time
 from collections.abc import Iterable
@@ -130,6 +132,18 @@ class Scheduler:
     def num_waiting(self) -> int:
         """Requests not yet running, those whose grammar compiles included."""
         return len(self.waiting) + len(self.waiting_for_fsm)
+
+    def num_pending_prefill_tokens(self) -> int:
+        """Tokens the pod must still compute before its requests decode: the
+        uncomputed tokens of each request (prompt, and after a preemption its
+        output too) beyond the one a decoding request computes per step.
+        Prefix-cache hits of waiting requests are not known before they are
+        scheduled, so they count in full. The gateway weighs this backlog
+        against a prompt's cached prefix."""
+        def pending(r: Request) -> int:
+            return max(0, r.num_tokens - 1 - r.num_computed_tokens)
+        queued = itertools.chain(self.running, self.waiting, self.waiting_for_fsm)
+        return sum(pending(r) for r in queued)
 
     @property
     def _grammars(self) -> StructuredOutputManager:

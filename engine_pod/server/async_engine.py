@@ -59,6 +59,7 @@ class LoadSnapshot:
     num_waiting: int = 0
     num_free_blocks: int = 0
     kv_cache_usage: float = 0.0
+    num_pending_prefill_tokens: int = 0
 
 
 class EngineDeadError(RuntimeError):
@@ -110,6 +111,13 @@ class AsyncEngine:
         with self._lock:
             pending = len(self._pending_adds)
         return self.snapshot.num_waiting + pending
+
+    def num_pending_prefill_tokens(self) -> int:
+        """The engine's prefill backlog (Scheduler.num_pending_prefill_tokens)
+        as of its last step, plus the prompts not yet taken in."""
+        with self._lock:
+            pending = sum(len(r.prompt_token_ids) for r in self._pending_adds)
+        return self.snapshot.num_pending_prefill_tokens + pending
 
     def num_cached_prefix_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
         """The engine's prefix-cache match of ``block_hashes``, in blocks (read
@@ -180,6 +188,10 @@ class AsyncEngine:
                     self.core.add_request(request)
                 if aborts:
                     self.core.abort_requests(aborts)
+                if adds or aborts:
+                    # Load reports read the snapshot while the next step runs, which may take
+                    # seconds for a long prefill: they must see what it was taken in for.
+                    self._publish()
                 if not self.core.has_unfinished_requests():
                     self._publish()
                     self._wakeup.wait()
@@ -203,5 +215,6 @@ class AsyncEngine:
         scheduler = self.core.scheduler
         pool = scheduler.kv_cache_manager.block_pool
         self.snapshot = LoadSnapshot(
-            len(scheduler.running), scheduler.num_waiting, pool.get_num_free_blocks(), pool.get_usage()
+            len(scheduler.running), scheduler.num_waiting, pool.get_num_free_blocks(), pool.get_usage(),
+            scheduler.num_pending_prefill_tokens(),
         )

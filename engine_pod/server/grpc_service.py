@@ -112,6 +112,7 @@ class EngineService(pb_grpc.EngineServicer):
             num_running=snap.num_running,
             num_waiting=snap.num_waiting,
             kv_cache_usage=snap.kv_cache_usage,
+            num_pending_prefill_tokens=self.engine.num_pending_prefill_tokens(),
             num_kv_blocks=core.num_blocks,
             num_free_kv_blocks=snap.num_free_blocks,
             block_size=core.block_size,

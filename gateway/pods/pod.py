@@ -72,6 +72,13 @@ class Pod:
     def waiting(self) -> int:
         return (self.load.num_waiting if self.load else 0) + self.dispatched_since_report
 
+    def pending_prefill_tokens(self) -> int:
+        """Tokens the pod must prefill before a new request's own, as of its last report. This
+        gateway's dispatches since are not added: most of a short prompt is prefilled before the
+        next report, and a stale count would push a conversation off the pod holding it
+        (dispatched_since_report, in the waiting term, covers a burst between reports)."""
+        return self.load.num_pending_prefill_tokens if self.load else 0
+
     def free_slots(self, max_waiting: int, max_kv_usage: float) -> int:
         """How many more requests this pod can queue before it is saturated."""
         if not self.routable or self.load.kv_cache_usage >= max_kv_usage:

@@ -151,7 +151,7 @@ class PrefixCacheKeys(_message.Message):
     def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "kv_cache_usage", "num_kv_blocks", "num_free_kv_blocks", "block_size", "matched_prefix_blocks", "serving", "stalled", "prefix_cache")
+    __slots__ = ("role", "num_running", "num_waiting", "kv_cache_usage", "num_kv_blocks", "num_free_kv_blocks", "block_size", "matched_prefix_blocks", "serving", "stalled", "prefix_cache", "num_pending_prefill_tokens")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class LoadReport(_message.Message):
     SERVING_FIELD_NUMBER: _ClassVar[int]
     STALLED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_waiting: int
@@ -174,4 +175,5 @@ class LoadReport(_message.Message):
     serving: bool
     stalled: bool
     prefix_cache: PrefixCacheKeys
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., matched_prefix_blocks: _Optional[int] = ..., serving: _Optional[bool] = ..., stalled: _Optional[bool] = ..., prefix_cache: _Optional[_Union[PrefixCacheKeys, _Mapping]] = ...) -> None: ...
+    num_pending_prefill_tokens: int
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., matched_prefix_blocks: _Optional[int] = ..., serving: _Optional[bool] = ..., stalled: _Optional[bool] = ..., prefix_cache: _Optional[_Union[PrefixCacheKeys, _Mapping]] = ..., num_pending_prefill_tokens: _Optional[int] = ...) -> None: ...

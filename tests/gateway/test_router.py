@@ -26,20 +26,20 @@ def test_score_is_the_documented_formula():
     config = RouterConfig(weights=RouterWeights(prefix=1.0, waiting=0.5, running=0.2, kv_usage=0.3), running_norm=32)
     load = PodLoad(waiting=4, running=16, kv_usage=0.5)
     expected = 1.0 * 0.75 - 0.5 * 4 / 8 - 0.2 * 16 / 32 - 0.3 * 0.5
-    assert score_pod(0.75, load, config, max_waiting=8) == pytest.approx(expected)
+    assert score_pod(0.75, load, config, max_waiting=8, num_prompt_tokens=64) == pytest.approx(expected)
 
 
 def test_cached_prefix_outweighs_a_little_load():
     config = RouterConfig()
-    warm_busy = score_pod(0.9, PodLoad(waiting=2, running=4, kv_usage=0.5), config, max_waiting=8)
-    cold_idle = score_pod(0.0, IDLE, config, max_waiting=8)
+    warm_busy = score_pod(0.9, PodLoad(waiting=2, running=4, kv_usage=0.5), config, max_waiting=8, num_prompt_tokens=64)
+    cold_idle = score_pod(0.0, IDLE, config, max_waiting=8, num_prompt_tokens=64)
     assert warm_busy > cold_idle
 
 
 def test_load_decides_when_no_pod_holds_the_prefix():
     config = RouterConfig()
-    busy = score_pod(0.0, PodLoad(waiting=1, running=0, kv_usage=0.0), config, max_waiting=8)
-    assert score_pod(0.0, IDLE, config, max_waiting=8) > busy
+    busy = score_pod(0.0, PodLoad(waiting=1, running=0, kv_usage=0.0), config, max_waiting=8, num_prompt_tokens=64)
+    assert score_pod(0.0, IDLE, config, max_waiting=8, num_prompt_tokens=64) > busy
 
 
 def test_tie_break_is_stable_small_and_spreads_keys():

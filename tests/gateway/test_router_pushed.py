@@ -108,3 +108,24 @@ def test_pushed_score_ranks_as_the_queries_do():
 def test_pushed_knobs_are_validated(router, message):
     with pytest.raises(GatewayConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         gateway_config_from_dict({**BASE, "router": router})
+
+
+@pytest.mark.parametrize("backlog, holder_wins", [(0, True), (16 * BLOCK, True), (24 * BLOCK, False)])
+def test_a_holder_wins_while_its_backlog_is_under_twice_what_its_cache_saves(backlog, holder_wins):
+    """A 16-block prompt of which one pod caches 10 blocks (160 tokens saved)
+    while the other pods are idle and cold: at the default weights the holder
+    keeps it until the tokens it must prefill first (its report's backlog)
+    pass twice the saving, where the request's first token comes much sooner
+    on a cold pod. Before the backlog term, a holder won whatever queued there."""
+    async def run():
+        pool, log = pushed_fleet(PUSHED, 16)
+        hashes = prompt(9, 16)
+        holder = deepest_ladder_owner(hashes, list(pool.pods))
+        hold(pool, holder, hashes[:10])
+        pool.pods[holder].load.num_pending_prefill_tokens = backlog
+        ranked, _ = await route(Router(pool, PUSHED, pool.admission_config, BLOCK), log, hashes)
+        return ranked[0].pod.address, holder
+
+    best, holder = asyncio.run(run())
+    assert (best == holder) is holder_wins
+

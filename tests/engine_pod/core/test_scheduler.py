@@ -291,3 +291,17 @@ def test_no_admission_in_a_step_that_preempted():
     run_to_end(sched)
     assert d.num_output_tokens == 8
     assert_no_leak(sched)
+
+
+def test_pending_prefill_tokens_count_what_is_left_to_prefill():
+    """Three 10-token prompts under a 16-token budget: 9 each before any step (the last prompt token is
+    the one each computes as it samples), then a done, 3 of b's left and c untouched, then none."""
+    sched = make_sched(max_num_batched_tokens=16)
+    for i, rid in enumerate("abc"):
+        sched.add_request(make_req(rid, 10, max_tokens=5, arrival=float(i)))
+    backlog = [sched.num_pending_prefill_tokens()]
+    for _ in range(2):
+        step(sched)
+        backlog.append(sched.num_pending_prefill_tokens())
+    assert backlog == [27, 3 + 9, 0]
+    assert set(run_to_end(sched)) == {"a", "b", "c"} and sched.num_pending_prefill_tokens() == 0

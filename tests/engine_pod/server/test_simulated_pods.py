@@ -68,6 +68,25 @@ def test_load_reports_count_the_prefix_cache_and_the_pool(sim_pods):
     assert load(sim_pods.addresses[2], hash_request_tokens(prompt, 16)).matched_prefix_blocks == 0
 
 
+def test_load_reports_carry_the_prefill_backlog_while_a_prompt_prefills(sim_pods):
+    """A 200-token prompt prefills in one step of about half a second (the profile's 2.6 ms a token):
+    a report read during that step counts its tokens; once it decodes, none are left."""
+    address = sim_pods.addresses[0]
+
+    async def run():
+        task = asyncio.create_task(generate_all(address, [greedy(list(range(4000, 4200)), 3, ignore_eos=True)]))
+        seen = []
+        while not task.done():
+            seen.append(await asyncio.to_thread(lambda: load(address).num_pending_prefill_tokens))
+            await asyncio.sleep(0.02)
+        await task
+        return seen
+
+    seen = asyncio.run(run())
+    assert max(seen) >= 190, seen
+    assert load(address).num_pending_prefill_tokens == 0
+
+
 def test_metrics_and_health_per_pod(sim_pods):
     asyncio.run(generate_all(sim_pods.addresses[2], [greedy([5, 6, 7], 3)]))
     samples = scrape_metrics(SimpleNamespace(metrics_port=sim_pods.metrics_ports[2]))
