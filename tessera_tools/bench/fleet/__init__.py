@@ -132,6 +132,8 @@ def add_parser(kinds) -> None:
                           help="autoscale: scale-up stabilization seconds (the CRD's default: 0)")
     scenario.add_argument("--scale-down-window", type=non_negative_float, default=30.0,
                           help="autoscale: scale-down stabilization seconds (the CRD's 300 s is longer than a run)")
+    scenario.add_argument("--max-scale-down-step", type=positive_int, default=None,
+                          help="autoscale: most pods removed per decision (default: the CRD's maxScaleDownStep, 1)")
     scenario.add_argument("--startup-delay", type=non_negative_float, default=10.0,
                           help="autoscale: seconds from a pod's start until it may be listed (model loading)")
 

@@ -47,7 +47,8 @@ RATE_BINS = 30
 
 
 def scaling_policy(args: argparse.Namespace) -> ScalingPolicy:
-    """The flags over the CRD's defaults (target of the signal, tolerance, step limits)."""
+    """The flags over the CRD's defaults (target of the signal, tolerance, scale-up step; scale-down step
+    unless --max-scale-down-step)."""
     if args.min_replicas > args.max_replicas:
         raise ValueError(f"--min-replicas {args.min_replicas} exceeds --max-replicas {args.max_replicas}")
     crd = autoscaling_schema()["properties"]["mixed"]["properties"]
@@ -55,7 +56,8 @@ def scaling_policy(args: argparse.Namespace) -> ScalingPolicy:
     return ScalingPolicy(signal=args.scale_signal, target=float(target), min_replicas=args.min_replicas,
                          max_replicas=args.max_replicas, tolerance=crd["tolerance"]["default"],
                          up_window_s=args.scale_up_window, down_window_s=args.scale_down_window,
-                         max_up_step=crd["maxScaleUpStep"]["default"], max_down_step=crd["maxScaleDownStep"]["default"])
+                         max_up_step=crd["maxScaleUpStep"]["default"],
+                         max_down_step=args.max_scale_down_step or crd["maxScaleDownStep"]["default"])
 
 
 @dataclass(frozen=True)
