@@ -58,6 +58,11 @@ def non_negative_float(text: str) -> float:
 
 SCENARIOS = ("routing", "autoscale", "faults")
 SCALE_SIGNALS = ("queue", "ttft", "itl", "kvUsage", "concurrency")  # the CRD's signals of a mixed pool
+# The pools of `--scenario autoscale --disaggregated`, and the defaults of the flags of each pool and of
+# the mixed pool: fleet/scaling_policies.py refuses a flag of the mode not chosen when it is off its default.
+PD_ROLES = ("prefill", "decode")
+MIXED_FLAG_DEFAULTS = {"min_replicas": 1, "max_replicas": 8, "scale_signal": "queue", "scale_target": None}
+PD_FLAG_DEFAULTS = {"min_replicas": 1, "max_replicas": 4, "scale_signal": None, "scale_target": None}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -69,6 +74,25 @@ def _run(args: argparse.Namespace) -> int:
     else:
         from tessera_tools.bench.fleet.runner import main
     return main(args)
+
+
+def _add_pd_flags(group) -> None:
+    group.add_argument("--disaggregated", action="store_true",
+                       help="autoscale: a prefill pool and a decode pool (P/D through a redis-server the scenario "
+                            "starts), each scaled on its own signal, instead of one mixed pool; the static fleet is "
+                            "each pool at its --ROLE-max-replicas")
+    d = PD_FLAG_DEFAULTS
+    for role in PD_ROLES:
+        group.add_argument(f"--{role}-min-replicas", type=non_negative_int, default=d["min_replicas"],
+                           help=f"autoscale --disaggregated: fewest {role} pods")
+        group.add_argument(f"--{role}-max-replicas", type=positive_int, default=d["max_replicas"],
+                           help=f"autoscale --disaggregated: most {role} pods, and the static fleet's")
+        group.add_argument(f"--{role}-scale-signal", choices=SCALE_SIGNALS, default=d["scale_signal"],
+                           help=f"autoscale --disaggregated: the {role} pool's signal, one the CRD allows a {role} "
+                                "pool (prefill: queue, ttft, concurrency; decode: itl, kvUsage, concurrency); "
+                                "default the CRD's (prefill queue, decode kvUsage)")
+        group.add_argument(f"--{role}-scale-target", type=positive_float, default=d["scale_target"],
+                           help=f"autoscale --disaggregated: the {role} signal's target (default: the CRD's)")
 
 
 def add_parser(kinds) -> None:
@@ -119,15 +143,17 @@ def add_parser(kinds) -> None:
                           help="the routing policy of the autoscale and faults scenarios")
     scenario.add_argument("--scale-interval", type=positive_float, default=5.0,
                           help="autoscale: seconds between the controller's decisions")
-    scenario.add_argument("--scale-signal", choices=SCALE_SIGNALS, default="queue",
+    mixed = MIXED_FLAG_DEFAULTS
+    scenario.add_argument("--scale-signal", choices=SCALE_SIGNALS, default=mixed["scale_signal"],
                           help="autoscale: the pool's signal (the operator's)")
-    scenario.add_argument("--scale-target", type=positive_float, default=None,
+    scenario.add_argument("--scale-target", type=positive_float, default=mixed["scale_target"],
                           help="autoscale: the signal's target (default: the CRD's: queue 4, ttft 1.0 s, itl 0.05 s, "
                                "kvUsage 0.8, concurrency 8)")
-    scenario.add_argument("--min-replicas", type=non_negative_int, default=1,
+    scenario.add_argument("--min-replicas", type=non_negative_int, default=mixed["min_replicas"],
                           help="autoscale: fewest pods (0: scale from zero, the gateways queue meanwhile)")
-    scenario.add_argument("--max-replicas", type=positive_int, default=8,
+    scenario.add_argument("--max-replicas", type=positive_int, default=mixed["max_replicas"],
                           help="autoscale: most pods, and the static fleet's size")
+    _add_pd_flags(scenario)
     scenario.add_argument("--scale-up-window", type=non_negative_float, default=0.0,
                           help="autoscale: scale-up stabilization seconds (the CRD's default: 0)")
     scenario.add_argument("--scale-down-window", type=non_negative_float, default=30.0,

@@ -1,6 +1,8 @@
 """The autoscale scenario's figures: per fleet (autoscaled, static) SLO
-attainment, latency and pod-minutes with its replica timeline; the two
-compared against the acceptance; scale from zero's first request."""
+attainment, latency and pod-minutes, and per pool (one mixed, or prefill and
+decode) its pod-minutes with its replica timeline and decisions; the two
+fleets compared against the acceptance over all their pods; scale from
+zero's first request."""
 
 from __future__ import annotations
 
@@ -18,25 +20,35 @@ FROM_ZERO_MARGIN_S = 2.0
 # The report's SLO attainment over time, in bins of this many seconds of the trace.
 SLO_BIN_S = 15.0
 
-DISAGGREGATED_NOTE = ("only a mixed pool is scaled: simulated pods can run P/D through the KV store "
-                      "(docs/simulation.md), but this scenario does not split the fleet into prefill and "
-                      "decode pools yet")
+MIXED_NOTE = ("one mixed pool: every pod prefills and decodes; --disaggregated runs prefill and decode pools "
+              "instead, P/D through the KV store")
+# What a disaggregated run does not show (docs/fleet-bench.md).
+DISAGGREGATED_LIMITS = (
+    "the gateways' admission queue is not split by pool: requests they hold count for both pools' concurrency "
+    "and lift either pool from zero, as in the operator (observe.gateway_queued)",
+    "a prefill pool at zero is lifted only by requests queued at the gateways, which queue only while no decode "
+    "pod is listed: meanwhile the decode pods compute the prompts themselves",
+    "the trace is sized for the static fleet's prefill + decode pods as if they were mixed pods "
+    "(capacity.py has no P/D model)",
+    "pd.kv_store sums the counters of the pods still running at the trace's end; pods removed earlier took "
+    "theirs with them (pd.redis counts every read and write)",
+)
+
+
+def limits(disaggregated: bool) -> list[str]:
+    return list(DISAGGREGATED_LIMITS) if disaggregated else [MIXED_NOTE]
 
 
 def _relative(rows: list[dict], t0: float) -> list[dict]:
     return [{**row, "t": round(row["t"] - t0, 3)} for row in rows]
 
 
-def fleet_record(kind: str, replay: TracedReplay, pool: ElasticPool, autoscaler: Autoscaler | None,
-                 slos: dict[str, float]) -> dict:
-    """One fleet's run. Pod-minutes: every pod's process start to exit, clipped to the trace's window (offset 0
-    to the last request's end); a static fleet's pods exist through all of it."""
-    t0, t1 = replay.started_at, replay.ended_at
+def pool_record(pool: ElasticPool, autoscaler: Autoscaler | None, t0: float, t1: float) -> dict:
+    """One pool's pods over the trace's window [t0, t1]: pod-minutes (every pod's process start to exit,
+    clipped to the window; a static pool's pods exist through all of it), its ticks and lifecycle events."""
     pod_seconds = pool.pod_seconds(t0, t1)
     ticks = _relative(autoscaler.ticks, t0) if autoscaler else []
     return {
-        "fleet": kind, **latency_figures(replay, slos), "endings": endings(replay),
-        "slo_over_time": slo_attainment_over_time(replay, slos, SLO_BIN_S),
         "pod_minutes": pod_seconds / 60, "window_s": t1 - t0,
         "mean_pods": pod_seconds / (t1 - t0) if t1 > t0 else None,
         "pods_started": len(pool.pods),
@@ -49,10 +61,32 @@ def fleet_record(kind: str, replay: TracedReplay, pool: ElasticPool, autoscaler:
     }
 
 
+def fleet_record(kind: str, replay: TracedReplay, pools: dict[str, ElasticPool],
+                 autoscalers: dict[str, Autoscaler], slos: dict[str, float]) -> dict:
+    """One fleet's run over the trace's window (offset 0 to the last request's end). A mixed pool's figures
+    sit in the record itself; a P/D fleet's per pool under `pools`, their pod-minutes summed."""
+    t0, t1 = replay.started_at, replay.ended_at
+    record = {"fleet": kind, **latency_figures(replay, slos), "endings": endings(replay),
+              "slo_over_time": slo_attainment_over_time(replay, slos, SLO_BIN_S)}
+    per_pool = {role: pool_record(pool, autoscalers.get(role), t0, t1) for role, pool in pools.items()}
+    if list(per_pool) == ["mixed"]:
+        return {**record, **per_pool["mixed"]}
+    pod_seconds = sum(p.pod_seconds(t0, t1) for p in pools.values())
+    return {**record, "pod_minutes": pod_seconds / 60, "window_s": t1 - t0,
+            "mean_pods": pod_seconds / (t1 - t0) if t1 > t0 else None,
+            "pods_started": sum(len(p.pods) for p in pools.values()), "pools": per_pool}
+
+
+def _ratio(autoscaled: float, static: float) -> float | None:
+    return autoscaled / static if static > 0 else None
+
+
 def comparison(autoscaled: dict, static: dict) -> dict:
-    ratio = autoscaled["pod_minutes"] / static["pod_minutes"] if static["pod_minutes"] > 0 else None
+    """The acceptance over every pod of each fleet (a P/D fleet's two pools together), and each pool's
+    pod-minutes on their own."""
+    ratio = _ratio(autoscaled["pod_minutes"], static["pod_minutes"])
     attainment = autoscaled["slo_attainment"]
-    return {
+    out = {
         "autoscaled_slo_attainment": attainment, "static_slo_attainment": static["slo_attainment"],
         "autoscaled_pod_minutes": autoscaled["pod_minutes"], "static_pod_minutes": static["pod_minutes"],
         "pod_minutes_ratio": ratio,
@@ -60,6 +94,12 @@ def comparison(autoscaled: dict, static: dict) -> dict:
                        "met": attainment is not None and ratio is not None
                        and attainment >= MIN_SLO_ATTAINMENT and ratio <= MAX_POD_MINUTES_RATIO},
     }
+    if "pools" in autoscaled:
+        out["pools"] = {role: {"autoscaled_pod_minutes": pool["pod_minutes"],
+                               "static_pod_minutes": static["pools"][role]["pod_minutes"],
+                               "pod_minutes_ratio": _ratio(pool["pod_minutes"], static["pools"][role]["pod_minutes"])}
+                        for role, pool in autoscaled["pools"].items()}
+    return out
 
 
 def scale_from_zero(replay: TracedReplay, record: dict, startup_delay_s: float) -> dict:
@@ -94,6 +134,14 @@ def summary_lines(report: dict) -> list[str]:
                      f"TTFT p50/p99 {_ms(r['ttft_p50_ms'])}/{_ms(r['ttft_p99_ms'])} ms, ITL p50/p99 "
                      f"{_ms(r['itl_p50_ms'])}/{_ms(r['itl_p99_ms'])} ms, {r['pod_minutes']:.2f} pod-minutes "
                      f"({r['pods_started']} pods started)")
+        for role, pool in r.get("pools", {}).items():
+            lines.append(f"  {role}: {pool['pod_minutes']:.2f} pod-minutes, {pool['pods_started']} pods started, "
+                         f"{len(pool['decisions'])} decision(s), peak {pool['peak_ready']} ready")
+        if (pd := r.get("pd")) is not None:
+            calls, decode = pd["gateway_calls"], pd["kv_store"]["decode"]
+            lines.append(f"  P/D: {calls.get('prefill', 0):.0f} prefill calls, {calls.get('decode', 0):.0f} decode "
+                         f"calls after one, {calls.get('route', 0):.0f} without; the decode pods still running loaded "
+                         f"{decode['redis_hits']:.0f} blocks from Redis")
     c = report["comparison"]
     ratio = "n/a" if c["pod_minutes_ratio"] is None else f"{c['pod_minutes_ratio']:.2f}"
     lines.append(f"autoscaled / static pod-minutes: {ratio}; acceptance (SLO >= {MIN_SLO_ATTAINMENT:.0%}, ratio <= "

@@ -6,8 +6,14 @@ order that alternates with --seed:
   the operator's own decide() every --scale-interval (autoscaler.py);
 - static: --max-replicas pods, sized for the spike, through the whole trace.
 
+With --disaggregated each fleet is a prefill pool and a decode pool instead
+(--prefill-*, --decode-*), sharing a redis-server started for the fleet's
+run (pd_store.py) and listed in one pods file: the autoscaled fleet scales
+each pool on its own policy and signal, as the operator does; the static
+one runs each at its maximum.
+
 Both run one simulated pod per process behind gateways reading the pods
-file, so they differ only in who sets the pod count.
+file, so they differ only in who sets the pod counts.
 """
 
 from __future__ import annotations
@@ -23,20 +29,21 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tessera_operator.autoscale import TARGET_FIELDS, ScalingPolicy
-from tessera_operator.crd_engine import autoscaling_schema
+from tessera_operator.autoscale import ScalingPolicy
 from tessera_tools.bench.common import rotated, work_dir, write_report
 from tessera_tools.bench.fleet.autoscale_report import (
-    DISAGGREGATED_NOTE, comparison, fleet_record, scale_from_zero, summary_lines,
+    comparison, fleet_record, limits, scale_from_zero, summary_lines,
 )
 from tessera_tools.bench.fleet.autoscaler import Autoscaler, ControlLoop
 from tessera_tools.bench.fleet.elastic_fleet import (
     FILE_POLL_S, QUEUE_TIMEOUT_MARGIN_S, REMOVAL_GRACE_POLLS, fetch_text, file_gateway_config, pod_launcher,
     running_gateways,
 )
-from tessera_tools.bench.fleet.elastic_pool import ElasticPool, PoolTimings
+from tessera_tools.bench.fleet.elastic_pool import ElasticPool, PoolTimings, close_pools
 from tessera_tools.bench.fleet.fleet import MODEL_NAME, FleetSettings
+from tessera_tools.bench.fleet.pd_store import kv_store_counters, pod_args, redis_figures, routing_by_kind, shared_store
 from tessera_tools.bench.fleet.pods_file import PodsFile
+from tessera_tools.bench.fleet.scaling_policies import pool_policies
 from tessera_tools.bench.fleet.scenario_figures import offered_rate
 from tessera_tools.bench.fleet.scenario_replay import replay_traced
 from tessera_tools.bench.fleet.scenario_setup import Scenario, common_record, describe, fleet_settings, plan_scenario
@@ -46,89 +53,147 @@ FLEETS = ("autoscaled", "static")
 RATE_BINS = 30
 
 
-def scaling_policy(args: argparse.Namespace) -> ScalingPolicy:
-    """The flags over the CRD's defaults (target of the signal, tolerance, scale-up step; scale-down step
-    unless --max-scale-down-step)."""
-    if args.min_replicas > args.max_replicas:
-        raise ValueError(f"--min-replicas {args.min_replicas} exceeds --max-replicas {args.max_replicas}")
-    crd = autoscaling_schema()["properties"]["mixed"]["properties"]
-    target = args.scale_target if args.scale_target is not None else crd[TARGET_FIELDS[args.scale_signal]]["default"]
-    return ScalingPolicy(signal=args.scale_signal, target=float(target), min_replicas=args.min_replicas,
-                         max_replicas=args.max_replicas, tolerance=crd["tolerance"]["default"],
-                         up_window_s=args.scale_up_window, down_window_s=args.scale_down_window,
-                         max_up_step=crd["maxScaleUpStep"]["default"],
-                         max_down_step=args.max_scale_down_step or crd["maxScaleDownStep"]["default"])
+@dataclass(frozen=True)
+class PoolRun:
+    """One pool of a fleet's run."""
+
+    role: str
+    """mixed, prefill or decode: its pods' --role, and their key in the pods file."""
+    initial_pods: int
+    """Ready before the trace starts."""
+    policy: ScalingPolicy | None
+    """None: the pool's size never changes."""
 
 
 @dataclass(frozen=True)
 class FleetRun:
     kind: str
     """"autoscaled" or "static"."""
-    initial_pods: int
-    """Ready before the trace starts."""
-    policy: ScalingPolicy | None
-    """None: the pod count never changes."""
+    pools: tuple[PoolRun, ...]
+    """One mixed pool, or a prefill and a decode pool."""
     interval_s: float
+    """Seconds between the autoscalers' ticks."""
     startup_delay_s: float
+    """A pod started during the run is listed no earlier than this after its process started."""
     queue_without_pods: bool
+    """The gateways hold requests while no pod serves them (a pool may be at zero, as the operator renders)."""
+
+    @property
+    def disaggregated(self) -> bool:
+        return any(p.role != "mixed" for p in self.pools)
 
 
-def fleet_runs(args: argparse.Namespace, policy: ScalingPolicy) -> dict[str, FleetRun]:
-    return {"autoscaled": FleetRun("autoscaled", policy.min_replicas, policy, args.scale_interval,
-                                   args.startup_delay, policy.min_replicas == 0),
-            "static": FleetRun("static", policy.max_replicas, None, args.scale_interval, 0.0, False)}
+def fleet_runs(args: argparse.Namespace, policies: dict[str, ScalingPolicy]) -> dict[str, FleetRun]:
+    """The autoscaled fleet starts each pool at its minimum; the static one runs each at its maximum."""
+    scaled = tuple(PoolRun(role, p.min_replicas, p) for role, p in policies.items())
+    static = tuple(PoolRun(role, p.max_replicas, None) for role, p in policies.items())
+    from_zero = any(p.min_replicas == 0 for p in policies.values())
+    return {"autoscaled": FleetRun("autoscaled", scaled, args.scale_interval, args.startup_delay, from_zero),
+            "static": FleetRun("static", static, args.scale_interval, 0.0, False)}
 
 
-def _bring_up(pool: ElasticPool, pods: int, gateways, startup_delay_s: float) -> None:
-    """`pods` ready and routed before the trace (a pod that dies starting is replaced)."""
-    deadline = time.monotonic() + 60 + startup_delay_s + pods
-    while len(pool.in_state("ready")) < pods:
+def _bring_up(pools: list[tuple[ElasticPool, int]], gateways, startup_delay_s: float) -> None:
+    """Each pool's pods ready and routed before the trace (a pod that dies starting is replaced)."""
+    total = sum(pods for _, pods in pools)
+    limit_s = 60 + startup_delay_s + total
+    deadline = time.monotonic() + limit_s
+    while any(len(pool.in_state("ready")) < pods for pool, pods in pools):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{pods} pods not ready after {60 + startup_delay_s + pods:.0f} s")
+            raise TimeoutError(f"{total} pods not ready after {limit_s:.0f} s")
         now = time.monotonic()
-        pool.scale_to(pods, now)
-        pool.step(now)
+        for pool, pods in pools:
+            pool.scale_to(pods, now)
+            pool.step(now)
         time.sleep(0.1)
     for gw in gateways:
-        gw.wait_ready(num_pods=pods, timeout=60 + pods / 2)
+        gw.wait_ready(num_pods=total, timeout=60 + total / 2)
+
+
+def _pools(run: FleetRun, settings: FleetSettings, pods_file: PodsFile, run_dir: Path,
+           redis_url: str | None) -> dict[str, ElasticPool]:
+    """One ElasticPool per role; a P/D pool's pod logs go in a folder of the role (names repeat across pools)."""
+    timings = PoolTimings(run.startup_delay_s, REMOVAL_GRACE_POLLS * FILE_POLL_S)
+    pools = {}
+    for p in run.pools:
+        log_dir = run_dir if p.role == "mixed" else run_dir / p.role
+        log_dir.mkdir(parents=True, exist_ok=True)
+        pools[p.role] = ElasticPool(pod_launcher(settings, log_dir, pod_args(p.role, redis_url)), pods_file, timings,
+                                    p.role)
+    return pools
+
+
+def _answered(urls: list[str]) -> list[str]:
+    """The /metrics texts of the urls that answered (a figure of the report must not fail the run)."""
+    texts = []
+    for url in urls:
+        try:
+            texts.append(fetch_text(url))
+        except OSError:
+            pass
+    return texts
+
+
+def _pd_figures(pools: dict[str, ElasticPool], gateways, store) -> dict:
+    """What went through the KV store, read at the trace's end: each pool's KV-store counters over the pods
+    still running (a pod removed earlier took its counters with it), the gateways' engine calls by kind, and
+    Redis's own stats."""
+    kv = {}
+    for role, pool in pools.items():
+        texts = _answered([p.handle.metrics_url for p in pool.pods if p.exited_at is None])
+        kv[role] = {**kv_store_counters(texts), "pods_scraped": len(texts), "pods_started": len(pool.pods)}
+    return {"kv_store": kv, "gateway_calls": routing_by_kind(_answered([g.metrics_url for g in gateways])),
+            "redis": redis_figures(store)}
 
 
 def run_fleet(run: FleetRun, scenario: Scenario, settings: FleetSettings, keys: list[str], gateways: int,
               run_dir: Path, request_timeout_s: float, bar: tqdm) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
-    pods_file = PodsFile(run_dir / "pods.yaml")
-    pool = ElasticPool(pod_launcher(settings, run_dir), pods_file,
-                       PoolTimings(run.startup_delay_s, REMOVAL_GRACE_POLLS * FILE_POLL_S))
+    pods_file = PodsFile(run_dir / "pods.yaml", tuple(p.role for p in run.pools))
     config = file_gateway_config(settings, pods_file.path, scenario.router, run.queue_without_pods,
                                  run.startup_delay_s + run.interval_s + QUEUE_TIMEOUT_MARGIN_S)
-    autoscaler = loop = None
-    try:
-        with running_gateways(config, gateways, run_dir) as gws:
-            _bring_up(pool, run.initial_pods, gws, run.startup_delay_s)
-            if run.policy is not None:
-                autoscaler = Autoscaler(run.policy, pool, fetch_text, [g.metrics_url for g in gws])
-            loop = ControlLoop(pool, autoscaler, run.interval_s)
-            traced = asyncio.run(replay_traced(scenario.requests, [g.base_url for g in gws], keys, MODEL_NAME,
-                                               request_timeout_s, bar, on_start=lambda t0: loop.start()))
-            loop.stop()
-            rss = [p.handle.rss_bytes() for p in pool.pods if p.exited_at is None]
-    finally:
-        if loop is not None:
-            loop.stop()
-        pool.close()
-    record = fleet_record(run.kind, traced, pool, autoscaler, scenario.slos)
+    with shared_store(run_dir, run.disaggregated) as store:
+        pools = _pools(run, settings, pods_file, run_dir, store and store.url)
+        autoscalers: dict[str, Autoscaler] = {}
+        loop = pd = None
+        try:
+            with running_gateways(config, gateways, run_dir) as gws:
+                _bring_up([(pools[p.role], p.initial_pods) for p in run.pools], gws, run.startup_delay_s)
+                urls = [g.metrics_url for g in gws]
+                autoscalers = {p.role: Autoscaler(p.policy, pools[p.role], fetch_text, urls)
+                               for p in run.pools if p.policy is not None}
+                loop = ControlLoop(list(pools.values()), list(autoscalers.values()), run.interval_s)
+                traced = asyncio.run(replay_traced(scenario.requests, [g.base_url for g in gws], keys, MODEL_NAME,
+                                                   request_timeout_s, bar, on_start=lambda t0: loop.start()))
+                loop.stop()
+                rss = [p.handle.rss_bytes() for pool in pools.values() for p in pool.pods if p.exited_at is None]
+                if store is not None:
+                    pd = _pd_figures(pools, gws, store)
+        finally:
+            if loop is not None:
+                loop.stop()
+            close_pools(list(pools.values()))
+    record = fleet_record(run.kind, traced, pools, autoscalers, scenario.slos)
     rss = [r for r in rss if r]
     record["pod_process_rss_mb"] = statistics.median(rss) / 2**20 if rss else None
-    if run.policy is not None and run.initial_pods == 0:
+    if pd is not None:
+        record["pd"] = pd
+    first = run.pools[0]
+    if not run.disaggregated and first.policy is not None and first.initial_pods == 0:
         record["scale_from_zero"] = scale_from_zero(traced, record, run.startup_delay_s)
     return record
 
 
-def _settings_record(args: argparse.Namespace, policy: ScalingPolicy) -> dict:
+def _policy_record(policy: ScalingPolicy) -> dict:
     return {"min_replicas": policy.min_replicas, "max_replicas": policy.max_replicas,
             "scale_signal": policy.signal, "scale_target": policy.target, "tolerance": policy.tolerance,
             "up_window_s": policy.up_window_s, "down_window_s": policy.down_window_s,
-            "max_up_step": policy.max_up_step, "max_down_step": policy.max_down_step,
+            "max_up_step": policy.max_up_step, "max_down_step": policy.max_down_step}
+
+
+def _settings_record(args: argparse.Namespace, policies: dict[str, ScalingPolicy]) -> dict:
+    pools = ({"pools": {role: _policy_record(p) for role, p in policies.items()}} if args.disaggregated
+             else _policy_record(policies["mixed"]))
+    return {**pools, "disaggregated": args.disaggregated,
             "scale_interval_s": args.scale_interval, "startup_delay_s": args.startup_delay,
             "gateways": args.gateways[0], "pods_per_process": 1, "duration_s": args.duration, "load": args.load,
             "rate": args.rate, "spike_factor": args.spike_factor, "seed": args.seed, "kv_blocks": args.kv_blocks,
@@ -155,17 +220,18 @@ def _run_all(args, scenario: Scenario, runs: dict[str, FleetRun], order: list[st
 
 def main(args: argparse.Namespace) -> int:
     try:
-        policy = scaling_policy(args)
-        scenario = plan_scenario(args, policy.max_replicas)
+        policies = pool_policies(args)
+        scenario = plan_scenario(args, sum(p.max_replicas for p in policies.values()))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(describe(scenario))
     order = rotated(FLEETS, args.seed)
-    runs = _run_all(args, scenario, fleet_runs(args, policy), order)
+    runs = _run_all(args, scenario, fleet_runs(args, policies), order)
+    notes = limits(args.disaggregated)
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "scenario": "autoscale", **common_record(args, scenario), "settings": _settings_record(args, policy),
-              "order": order, "runs": runs, "limits": [DISAGGREGATED_NOTE],
+              "scenario": "autoscale", **common_record(args, scenario), "settings": _settings_record(args, policies),
+              "order": order, "runs": runs, "limits": notes,
               "offered_rate": offered_rate(scenario.plan.offsets, args.duration,
                                            max(args.scale_interval, args.duration / RATE_BINS))}
     failed = [r["error"] for r in runs.values() if "error" in r]
@@ -176,7 +242,8 @@ def main(args: argparse.Namespace) -> int:
     write_report(report, args.output)
     for line in summary_lines(report) if not failed else [f"run failed: {e}" for e in failed]:
         print(line)
-    print(f"note: {DISAGGREGATED_NOTE}")
+    for note in notes:
+        print(f"note: {note}")
     if args.plots and not failed:
         from tessera_tools.bench.fleet.scenario_plots import write_timeline_plot  # matplotlib: only when asked
 

@@ -11,6 +11,11 @@ their admission queues (`parse_gateway_queued`, summed over replicas: the
 only signal at zero pods, and passed to `pool_signals` as part of the
 `concurrency` signal). A pod or gateway that does not answer a scrape is
 left out, as the operator leaves it out.
+
+A fleet of several pools (prefill and decode) has an Autoscaler per pool,
+each with its own policy and signal; the ControlLoop scrapes the gateways
+once per tick and hands the count to each, as the operator's tick does
+(handlers._autoscale: gateway_queued once, then observe_pool per pool).
 """
 
 from __future__ import annotations
@@ -40,6 +45,12 @@ def _scrape_all(fetch: Callable[[str], str], urls: dict[str, str],
         return {name: got for name, got in pool.map(one, urls.items()) if got is not None}
 
 
+def scrape_gateway_queued(fetch: Callable[[str], str], urls: list[str], clock: Callable[[], float]) -> int:
+    """Requests the gateways hold in their admission queues, summed over the replicas that answered."""
+    gateways = _scrape_all(fetch, dict(enumerate(urls)), clock)
+    return sum(parse_gateway_queued(text) for text, _ in gateways.values())
+
+
 class Autoscaler:
     def __init__(self, policy: ScalingPolicy, pool: ElasticPool, fetch: Callable[[str], str],
                  gateway_metrics_urls: list[str], clock: Callable[[], float] = time.monotonic) -> None:
@@ -56,10 +67,14 @@ class Autoscaler:
         self.ticks: list[dict] = []
         """Per tick: the observation, the decision, the pool's counts."""
 
-    def observe(self) -> PoolObservation:
-        # The gateways first, as the operator's tick scrapes them before the pools.
-        gateways = _scrape_all(self.fetch, dict(enumerate(self.gateway_metrics_urls)), self.clock)
-        queued = sum(parse_gateway_queued(text) for text, _ in gateways.values())
+    def gateway_queued(self) -> int:
+        return scrape_gateway_queued(self.fetch, self.gateway_metrics_urls, self.clock)
+
+    def observe(self, queued: int | None = None) -> PoolObservation:
+        """`queued`: this tick's scrape of the gateways; None: scrape them now (first, as the operator's
+        tick scrapes them before the pools)."""
+        if queued is None:
+            queued = self.gateway_queued()
         ready = self.pool.in_state("ready")
         texts = _scrape_all(self.fetch, {p.handle.address: p.handle.metrics_url for p in ready}, self.clock)
         samples = {name: parse_pod_metrics(text, scraped_at=at) for name, (text, at) in texts.items()}
@@ -68,8 +83,8 @@ class Autoscaler:
         return PoolObservation(replicas=self.replicas, ready=len(ready), pending=len(self.pool.in_state("starting")),
                                signal=signals.value(self.policy.signal), busy=signals.busy, gateway_queued=queued)
 
-    def tick(self, now: float) -> Decision:
-        obs = self.observe()
+    def tick(self, now: float, queued: int | None = None) -> Decision:
+        obs = self.observe(queued)
         decision = decide(self.policy, obs, self.state, now)
         self.replicas = decision.replicas
         self.pool.scale_to(decision.replicas, now)
@@ -80,14 +95,15 @@ class Autoscaler:
 
 
 class ControlLoop(threading.Thread):
-    """The pool's lifecycle every `step_s`, and (with an autoscaler) a tick
-    every `interval_s` from the start; runs until `stop()`. An exception
-    ends the loop and is raised again by `stop()`."""
+    """Every pool's lifecycle every `step_s`, and (with autoscalers) a tick
+    every `interval_s` from the start: one scrape of the gateways, then each
+    pool's decision; runs until `stop()`. An exception ends the loop and is
+    raised again by `stop()`."""
 
-    def __init__(self, pool: ElasticPool, autoscaler: Autoscaler | None, interval_s: float, step_s: float = 0.1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, pools: list[ElasticPool], autoscalers: list[Autoscaler], interval_s: float,
+                 step_s: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(name="fleet-autoscaler", daemon=True)
-        self.pool, self.autoscaler = pool, autoscaler
+        self.pools, self.autoscalers = pools, autoscalers
         self.interval_s, self.step_s, self.clock = interval_s, step_s, clock
         self._stop_event = threading.Event()
         self.error: BaseException | None = None
@@ -97,15 +113,21 @@ class ControlLoop(threading.Thread):
         try:
             while not self._stop_event.is_set():
                 now = self.clock()
-                self.pool.step(now)
-                if self.autoscaler is not None and now >= next_tick:
-                    self.autoscaler.tick(now)
+                for pool in self.pools:
+                    pool.step(now)
+                if self.autoscalers and now >= next_tick:
+                    self._tick(now)
                     next_tick += self.interval_s
                     if next_tick < now:  # a tick took longer than the interval: keep the period, skip the lost ones
                         next_tick = now + self.interval_s
                 self._stop_event.wait(self.step_s)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread by stop()
             self.error = e
+
+    def _tick(self, now: float) -> None:
+        queued = self.autoscalers[0].gateway_queued()  # every pool's autoscaler reads the same gateways
+        for autoscaler in self.autoscalers:
+            autoscaler.tick(now, queued)
 
     def stop(self) -> None:
         """Also safe on a loop never started (its run failed before the trace)."""

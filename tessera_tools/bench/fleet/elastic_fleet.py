@@ -33,9 +33,11 @@ def fetch_text(url: str, timeout: float = 5.0) -> str:
 class SimulatedPod:
     """A one-pod `tessera engine --simulate` process (elastic_pool.PodHandle)."""
 
-    def __init__(self, settings: FleetSettings, log_path: Path) -> None:
+    def __init__(self, settings: FleetSettings, log_path: Path, extra_args: list[str] = ()) -> None:
+        """`extra_args`: the pool's own flags (a P/D pod's role and KV store: pd_store.pod_args)."""
         args = ["--num-gpu-blocks", str(settings.kv_blocks), "--block-size", str(settings.block_size),
-                "--max-model-len", str(settings.max_model_len), "--drain-timeout", str(DRAIN_TIMEOUT_S)]
+                "--max-model-len", str(settings.max_model_len), "--drain-timeout", str(DRAIN_TIMEOUT_S),
+                *extra_args]
         self.process = SimulatedPodsProcess(settings.model, settings.profile, 1, args, log_path=log_path)
         self.address = self.process.addresses[0]
         self.metrics_url = f"http://127.0.0.1:{self.process.metrics_ports[0]}/metrics"
@@ -61,8 +63,8 @@ class SimulatedPod:
             return None
 
 
-def pod_launcher(settings: FleetSettings, run_dir: Path) -> Callable[[str], SimulatedPod]:
-    return lambda name: SimulatedPod(settings, run_dir / f"{name}.log")
+def pod_launcher(settings: FleetSettings, log_dir: Path, extra_args: list[str] = ()) -> Callable[[str], SimulatedPod]:
+    return lambda name: SimulatedPod(settings, log_dir / f"{name}.log", extra_args)
 
 
 def file_gateway_config(settings: FleetSettings, pods_path: Path, router: dict, queue_without_pods: bool,

@@ -74,10 +74,13 @@ class PoolTimings:
 
 
 class ElasticPool:
-    def __init__(self, launch: Callable[[str], PodHandle], pods_file: PodsFile, timings: PoolTimings) -> None:
+    def __init__(self, launch: Callable[[str], PodHandle], pods_file: PodsFile, timings: PoolTimings,
+                 role: str = "mixed") -> None:
         self.launch = launch
         self.pods_file = pods_file
         self.timings = timings
+        self.role = role
+        """The pool's pods are listed under this role (pools of one fleet share the pods file)."""
         self.pods: list[ElasticPod] = []
         self.events: list[dict] = []
         """(t, pod, event) of every lifecycle change, in order."""
@@ -112,7 +115,7 @@ class ElasticPool:
     def _remove(self, pod: ElasticPod, now: float) -> None:
         pod.removed_at = now
         if pod.ready_at is not None:
-            self.pods_file.remove(pod.handle.address)  # first: no gateway routes to it any more ...
+            self.pods_file.remove(pod.handle.address, self.role)  # first: no gateway routes to it any more ...
             self._event(now, pod, "unlisted")
         else:
             self._stop(pod, now)  # never listed: nothing to wait for
@@ -133,7 +136,7 @@ class ElasticPool:
             elif pod.state == "starting":
                 if now - pod.started_at >= self.timings.startup_delay_s and pod.handle.serving():
                     pod.ready_at = now
-                    self.pods_file.add(pod.handle.address)
+                    self.pods_file.add(pod.handle.address, self.role)
                     self._event(now, pod, "listed")
             elif pod.state == "terminating" and pod.stop_sent_at is None \
                     and now - pod.removed_at >= self.timings.removal_grace_s:
@@ -141,7 +144,7 @@ class ElasticPool:
 
     def _exited(self, pod: ElasticPod, code: int, now: float) -> None:
         if pod.state == "ready":  # it died while listed (a crash, not a scale-down)
-            self.pods_file.remove(pod.handle.address)
+            self.pods_file.remove(pod.handle.address, self.role)
         pod.exited_at, pod.exit_code = now, code
         self._event(now, pod, "exited", exit_code=code)
 
@@ -149,12 +152,16 @@ class ElasticPool:
         return sum(p.seconds_within(start, end) for p in self.pods)
 
     def close(self) -> None:
-        """Stop every process still running, all signalled first so their drains overlap."""
-        live = [p for p in self.pods if p.exited_at is None]
-        for pod in live:
-            pod.handle.request_stop()
-        for pod in live:
-            pod.handle.close()
+        close_pools([self])
 
     def _event(self, now: float, pod: ElasticPod, event: str, **extra) -> None:
         self.events.append({"t": now, "pod": pod.name, "address": pod.handle.address, "event": event, **extra})
+
+
+def close_pools(pools: list[ElasticPool]) -> None:
+    """Stop every process still running in the pools, all signalled first so their drains overlap."""
+    live = [p for pool in pools for p in pool.pods if p.exited_at is None]
+    for pod in live:
+        pod.handle.request_stop()
+    for pod in live:
+        pod.handle.close()

@@ -30,30 +30,31 @@ def file_stamp(path: Path) -> tuple[int, int]:
 
 
 class PodsFile:
-    """The mixed pool's addresses, as the gateways read them."""
+    """The pools' addresses by role (gateway/pods/discovery.py members_from_file), as the gateways read
+    them: one mixed pool, or a prefill and a decode pool. Every role given is written, empty or not."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, roles: tuple[str, ...] = ("mixed",)) -> None:
         self.path = Path(path)
-        self.addresses: list[str] = []
+        self.members: dict[str, list[str]] = {role: [] for role in roles}
         self._stamp: tuple[int, int] | None = None
         self._write()
 
-    def add(self, address: str) -> None:
-        if address not in self.addresses:
-            self.addresses.append(address)
+    def add(self, address: str, role: str = "mixed") -> None:
+        if address not in self.members[role]:
+            self.members[role].append(address)
             self._write()
 
-    def remove(self, address: str) -> None:
-        if address in self.addresses:
-            self.addresses.remove(address)
+    def remove(self, address: str, role: str = "mixed") -> None:
+        if address in self.members[role]:
+            self.members[role].remove(address)
             self._write()
 
-    def set(self, addresses: list[str]) -> None:
-        self.addresses = list(addresses)
+    def set(self, addresses: list[str], role: str = "mixed") -> None:
+        self.members[role] = list(addresses)
         self._write()
 
     def _write(self) -> None:
-        text = yaml.safe_dump({"mixed": sorted(self.addresses)})
+        text = yaml.safe_dump({role: sorted(addresses) for role, addresses in self.members.items()})
         tmp = self.path.with_name(self.path.name + ".tmp")
         for _ in range(STAMP_RETRIES):
             tmp.write_text(text)

@@ -16,7 +16,7 @@ import yaml
 from tessera_operator.autoscale import PoolObservation, ScalerState, ScalingPolicy, decide
 from tessera_operator.crd_engine import autoscaling_schema
 from tessera_tools.bench import fleet as fleet_bench
-from tessera_tools.bench.fleet.autoscale_run import scaling_policy
+from tessera_tools.bench.fleet.scaling_policies import scaling_policy
 from tessera_tools.bench.fleet.autoscaler import Autoscaler
 from tessera_tools.bench.fleet.elastic_pool import ElasticPod, ElasticPool, PoolTimings
 from tessera_tools.bench.fleet.faults_run import killed_processes
