@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 from tessera_tools.bench.fleet.policies import POLICIES
+from tessera_tools.bench.fleet.workload import WORKLOADS
 from tessera_tools.bench.flags import (
     add_logs_arg, add_output_arg, non_negative_int, positive_float, positive_int, positive_int_list,
 )
@@ -141,6 +142,9 @@ def add_parser(kinds) -> None:
                                "at the spike")
     scenario.add_argument("--scenario-policy", choices=tuple(POLICIES), default="bounded",
                           help="the routing policy of the autoscale and faults scenarios")
+    scenario.add_argument("--scenario-workload", choices=WORKLOADS, default="shared-prefix",
+                          help="the workload of the autoscale and faults scenarios (no-reuse: every prompt "
+                               "uncached, so under --disaggregated every request goes through a prefill pod)")
     scenario.add_argument("--scale-interval", type=positive_float, default=5.0,
                           help="autoscale: seconds between the controller's decisions")
     mixed = MIXED_FLAG_DEFAULTS

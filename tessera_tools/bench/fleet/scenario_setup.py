@@ -1,5 +1,5 @@
 """What the autoscale and faults scenarios set up alike from the flags: the
-SLOs, the checkpoint and profile, the shared-prefix workload on the
+SLOs, the checkpoint and profile, the workload (--scenario-workload) on the
 ramp/spike trace for a fleet of N pods, and the tenants' keys."""
 
 from __future__ import annotations
@@ -14,9 +14,6 @@ from tessera_tools.bench.fleet.policies import POLICIES
 from tessera_tools.bench.fleet.runner import max_model_len, model_path, parse_slo_flag, workload_spec
 from tessera_tools.bench.fleet.sweep import FleetSizePlan, LoadSettings, plan_fleet_size
 
-WORKLOAD = "shared-prefix"
-
-
 @dataclass(frozen=True)
 class Scenario:
     slos: dict[str, float]
@@ -26,10 +23,12 @@ class Scenario:
     """The trace and requests, sized for `plan.pods` (the static fleet)."""
     router: dict
     """The gateways' `router` section (--scenario-policy)."""
+    workload: str
+    """A name of workload.WORKLOADS (--scenario-workload)."""
 
     @property
     def requests(self):
-        return self.plan.requests[WORKLOAD]
+        return self.plan.requests[self.workload]
 
 
 def plan_scenario(args: argparse.Namespace, pods: int) -> Scenario:
@@ -38,8 +37,8 @@ def plan_scenario(args: argparse.Namespace, pods: int) -> Scenario:
     model = model_path(args.model)
     profile = StepTimeProfile.load(args.profile)
     load = LoadSettings(args.duration, args.load, args.rate, args.burstiness, args.spike_factor, args.seed)
-    plan = plan_fleet_size(profile, workload_spec(args, pods, model), pods, load, [WORKLOAD])
-    return Scenario(slos, model, profile, plan, POLICIES[args.scenario_policy].router)
+    plan = plan_fleet_size(profile, workload_spec(args, pods, model), pods, load, [args.scenario_workload])
+    return Scenario(slos, model, profile, plan, POLICIES[args.scenario_policy].router, args.scenario_workload)
 
 
 def fleet_settings(args: argparse.Namespace, scenario: Scenario, pods_per_process: int,
@@ -54,7 +53,7 @@ def common_record(args: argparse.Namespace, scenario: Scenario) -> dict:
     trace = scenario.plan.as_dict()
     return {"model": str(scenario.model), "profile": str(args.profile),
             "profile_coefficients": {c: getattr(scenario.profile, c) for c in COEFFICIENTS},
-            "policy": args.scenario_policy, "router": scenario.router, "workload": WORKLOAD, "trace": trace,
+            "policy": args.scenario_policy, "router": scenario.router, "workload": scenario.workload, "trace": trace,
             "slos_ms": scenario.slos}
 
 

@@ -392,3 +392,17 @@ def test_faults_end_to_end(tiny_llama, fast_profile, tmp_path):
     assert gateway["routable_before"] - gateway["routable_after"] == 2
     last = failure["last_routing_decision_after_s"]
     assert last is None or last <= failure["routing_stopped_after_s"]
+
+
+def test_the_scenarios_workload_is_a_flag(tiny_llama, fast_profile):
+    from tessera_tools.bench.fleet.scenario_setup import plan_scenario
+
+    common = ["--model", str(tiny_llama), "--profile", str(fast_profile), "--duration", "10", "--rate", "4"]
+    shared = plan_scenario(_parse(["--scenario", "autoscale", *common]), 2)
+    fresh = plan_scenario(_parse(["--scenario", "autoscale", "--scenario-workload", "no-reuse", *common]), 2)
+    assert (shared.workload, fresh.workload) == ("shared-prefix", "no-reuse")
+    assert [r.arrival_s for r in shared.requests] == [r.arrival_s for r in fresh.requests]
+
+    def first_blocks(scenario):
+        return [tuple(r.prompt_token_ids[:16]) for r in scenario.requests]
+    assert len(set(first_blocks(fresh))) == len(fresh.requests) > len(set(first_blocks(shared)))
