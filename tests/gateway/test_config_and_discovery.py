@@ -22,6 +22,7 @@ def test_defaults_and_nested_overrides():
 @pytest.mark.parametrize("change,message", [
     ({"model": {"name": "m", "path": "/p", "blocksize": 16}}, "unknown field(s) ['blocksize']"),
     ({"router": {"weights": {"prefix": -1}}}, "router.weights must be >= 0"),
+    ({"router": {"weights": {"prefill_backlog": -0.5}}}, "router.weights must be >= 0"),
     ({"router": {"weights": {"prefix": "high"}}}, "router.weights.prefix: expected float"),
     ({"admission": {"max_kv_usage": 1.5}}, "admission.max_kv_usage must be in (0, 1]"),
     ({"pods": {"static": [{"address": "nohost", "role": "mixed"}]}}, "is not host:port"),
