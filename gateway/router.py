@@ -11,7 +11,9 @@ Three policies (`router.policy`); `score` and `bounded` rank with one formula:
 
 The first two terms are in one unit, tokens as a share of the prompt: what
 the pod's cache saves this prompt against what the pod must prefill before
-it (the backlog of its last load report). At the default weights (1 and
+it (the backlog of its last load report, or of its answer to this
+request's prefix query: a report up to an interval old still counts a
+prompt prefilled since). At the default weights (1 and
 0.5) a pod holding the prefix keeps winning while its backlog is under
 twice the tokens its cache saves: beyond, the request's first token comes
 much sooner on a cold pod, worth the prefill it costs there. Without the
@@ -136,6 +138,18 @@ class PodLoad:
     pending_prefill_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class PrefixMatch:
+    """A pod's match of a prompt's leading blocks."""
+    blocks: int
+    # The pod's answer to the prefix query (its load as of now); None when
+    # the match came from its pushed cache or the query failed.
+    answer: epb.LoadReport | None = None
+
+
+NO_MATCH = PrefixMatch(0)
+
+
 @dataclass
 class ScoredPod:
     pod: Pod
@@ -244,8 +258,8 @@ class Router:
         if self.config.policy == "bounded":
             return await self._rank_bounded(role, pods, block_hashes, keys, num_prompt_tokens, key)
         matched = await self._match(pods, block_hashes, keys)
-        return _best_first([self._scored(pod, blocks, num_prompt_tokens, tie_break(key, pod.address))
-                            for pod, blocks in zip(pods, matched)])
+        return _best_first([self._scored(pod, match, num_prompt_tokens, tie_break(key, pod.address))
+                            for pod, match in zip(pods, matched)])
 
     async def _rank_bounded(self, role: str, pods: list[Pod], block_hashes: list[bytes], keys: list[int],
                             num_prompt_tokens: int, key: bytes) -> list[ScoredPod]:
@@ -266,9 +280,9 @@ class Router:
         candidate_ties += [_load_tie(i, len(holders)) for i in range(len(holders))]
         candidate_ties += [_load_tie(i, len(load)) for i in range(len(load))]
         matched = await self._match(candidates, block_hashes, keys)
-        ranked = [self._scored(pod, blocks, num_prompt_tokens, tie)
-                  for pod, blocks, tie in zip(candidates, matched, candidate_ties) if pod.routable]
-        rest = [self._scored(pod, 0, num_prompt_tokens, _load_tie(i, len(fallbacks)))
+        ranked = [self._scored(pod, match, num_prompt_tokens, tie)
+                  for pod, match, tie in zip(candidates, matched, candidate_ties) if pod.routable]
+        rest = [self._scored(pod, NO_MATCH, num_prompt_tokens, _load_tie(i, len(fallbacks)))
                 for i, pod in enumerate(fallbacks)]
         return _best_first(ranked) + _best_first(rest)
 
@@ -297,11 +311,22 @@ class Router:
             self._ring = HashRing(addresses)
         return self._ring
 
-    def _scored(self, pod: Pod, blocks: int, num_prompt_tokens: int, tie: float) -> ScoredPod:
-        fraction = min(1.0, blocks * self.block_size / max(1, num_prompt_tokens))
-        load = PodLoad(pod.waiting(), pod.load.num_running, pod.load.kv_cache_usage, pod.pending_prefill_tokens())
-        score = score_pod(fraction, load, self.config, self.max_waiting, num_prompt_tokens)
-        return ScoredPod(pod, score + tie, blocks)
+    def _scored(self, pod: Pod, match: PrefixMatch, num_prompt_tokens: int, tie: float) -> ScoredPod:
+        fraction = min(1.0, match.blocks * self.block_size / max(1, num_prompt_tokens))
+        score = score_pod(fraction, self._load(pod, match.answer), self.config, self.max_waiting, num_prompt_tokens)
+        return ScoredPod(pod, score + tie, match.blocks)
+
+    @staticmethod
+    def _load(pod: Pod, answer: epb.LoadReport | None) -> PodLoad:
+        """The pod's load for its score: the pushed report's, or where a
+        prefix query was answered just now, that answer's backlog, running
+        and KV usage (a pushed report up to an interval old still counts a
+        prompt prefilled since). Waiting stays the pushed count plus this
+        gateway's dispatches since: those may not have reached the pod yet."""
+        if answer is None:
+            return PodLoad(pod.waiting(), pod.load.num_running, pod.load.kv_cache_usage, pod.pending_prefill_tokens())
+        return PodLoad(pod.waiting(), answer.num_running, answer.kv_cache_usage,
+                       max(0, answer.num_pending_prefill_tokens))
 
     def _rotate(self, role: str, pods: list[Pod]) -> list[ScoredPod]:
         """The pods starting at this role's turn (the rest stay as retry
@@ -311,22 +336,23 @@ class Router:
         rotated = pods[turn:] + pods[:turn]
         return [ScoredPod(pod, -float(i), 0) for i, pod in enumerate(rotated)]
 
-    async def _match(self, pods: list[Pod], block_hashes: list[bytes], keys: list[int]) -> list[int]:
+    async def _match(self, pods: list[Pod], block_hashes: list[bytes], keys: list[int]) -> list[PrefixMatch]:
         """Each pod's matched leading blocks: from what it pushed (no RPC)
         under prefix_match "pushed", else asked concurrently; no RPC for a
         prompt shorter than a block."""
         if not block_hashes:
-            return [0] * len(pods)
+            return [NO_MATCH] * len(pods)
         if self._pushed:
             index = self.pool.prefix_index
-            return [index.matched_blocks(p.address, keys) for p in pods]
+            return [PrefixMatch(index.matched_blocks(p.address, keys)) for p in pods]
         if len(pods) == 1:
             return [await self._matched_blocks(pods[0], block_hashes)]
         return list(await asyncio.gather(*(self._matched_blocks(p, block_hashes) for p in pods)))
 
-    async def _matched_blocks(self, pod: Pod, block_hashes: list[bytes]) -> int:
-        """Leading blocks the pod holds, as it reports them; 0 if it does not
-        answer in time (the load terms still use its pushed report)."""
+    async def _matched_blocks(self, pod: Pod, block_hashes: list[bytes]) -> PrefixMatch:
+        """Leading blocks the pod holds, as it reports them, with its answer;
+        none if it does not answer in time (the load terms then use its
+        pushed report)."""
         timeout = self.config.prefix_query_timeout_ms / 1000
         try:
             report = await pod.stub.GetLoad(epb.LoadRequest(block_hashes=block_hashes), timeout=timeout)
@@ -334,6 +360,6 @@ class Router:
             self._prefix_queries[_QUERY_OUTCOMES.get(e.code(), "error")].inc()
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self.pool.eject(pod, "prefix query: UNAVAILABLE")
-            return 0
+            return NO_MATCH
         self._prefix_queries["ok"].inc()
-        return report.matched_prefix_blocks
+        return PrefixMatch(report.matched_prefix_blocks, report)

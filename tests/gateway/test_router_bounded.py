@@ -44,16 +44,21 @@ def leading_held(held: set[bytes], block_hashes) -> int:
 
 class PrefixCacheStub:
     """Stands in for a pod's Engine stub: GetLoad answers from the prompts
-    the test says the pod served; every call is logged."""
+    the test says the pod served, with the pod's pushed load unless the test
+    sets the load as of now (`current`); every call is logged."""
 
-    def __init__(self, address: str, log: list[str]) -> None:
-        self.address = address
+    def __init__(self, pod: Pod, log: list[str]) -> None:
+        self.pod = pod
         self.log = log
         self.held: set[bytes] = set()
+        self.current: epb.LoadReport | None = None
 
     async def GetLoad(self, request: epb.LoadRequest, timeout: float | None = None) -> epb.LoadReport:
-        self.log.append(self.address)
-        return epb.LoadReport(matched_prefix_blocks=leading_held(self.held, request.block_hashes))
+        self.log.append(self.pod.address)
+        answer = epb.LoadReport()
+        answer.CopyFrom(self.current or self.pod.load)
+        answer.matched_prefix_blocks = leading_held(self.held, request.block_hashes)
+        return answer
 
 
 def addresses(n: int) -> list[str]:
@@ -65,7 +70,7 @@ def fleet(config: RouterConfig, pod_addresses: list[str]) -> tuple[PodPool, list
     pool = _serving_pool(config, pod_addresses)
     log: list[str] = []
     for pod in pool.pods.values():
-        pod.stub = PrefixCacheStub(pod.address, log)
+        pod.stub = PrefixCacheStub(pod, log)
     return pool, log
 
 
@@ -260,6 +265,33 @@ def test_a_candidate_holding_the_prefix_beats_one_that_does_not():
 
     for holder, winner in asyncio.run(run()):
         assert winner == holder
+
+
+@pytest.mark.parametrize("pushed, current, holder_wins", [
+    (200, 0, True),    # the report still counts the prompt prefilled since; the answer does not
+    (0, 200, False),   # the answer's backlog is twice what the cache saves: the idle pod starts sooner
+])
+def test_the_prefix_answer_s_backlog_replaces_the_pushed_one(pushed, current, holder_wins):
+    """A pod holding 64 of a 96-token prompt, its score from its answer to
+    the prefix query, not from a report up to an interval old."""
+    hashes = prompt(5, 6)
+    config = RouterConfig(policy="bounded", affinity_candidates=1, load_candidates=1)
+
+    async def run() -> tuple[str, str]:
+        pool, log = fleet(config, addresses(16))
+        router = Router(pool, config, pool.admission_config, BLOCK)
+        _, asked = await route(router, log, hashes)
+        holder = pool.pods[asked[0]]
+        holder.stub.held = set(hashes[:4])
+        holder.load.num_pending_prefill_tokens = pushed
+        holder.stub.current = epb.LoadReport(serving=True, num_pending_prefill_tokens=current)
+        ranked, asked_again = await route(router, log, hashes)
+        await pool.close()
+        assert asked_again == asked
+        return holder.address, ranked[0].pod.address
+
+    holder, winner = asyncio.run(run())
+    assert (winner == holder) is holder_wins
 
 
 def _loaded_fleet(config: RouterConfig) -> tuple[PodPool, list[str]]:
