@@ -17,17 +17,6 @@ HIGH = PriorityClass("high", priority=0, weight=4.0)
 LOW = PriorityClass("low", priority=20, weight=1.0)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 def tenant(name="acme", rpm=None, tpm=None, concurrent=None) -> Tenant:
     return Tenant(name, None, None, RateLimits(rpm, tpm, concurrent), f"tenant:{name}")
 

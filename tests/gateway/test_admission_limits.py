@@ -9,7 +9,8 @@ import asyncio
 import pytest
 
 from gateway.admission import RETRY_HINT_S, AdmissionController, Rejected, TokenBucket
-from tests.gateway.admission_fakes import STANDARD, FakeClock, admit_now, rejection, settle, tenant
+from tests.fake_clock import FakeClock
+from tests.gateway.admission_fakes import STANDARD, admit_now, rejection, settle, tenant
 
 
 # ---- token bucket ---------------------------------------------------------

@@ -10,7 +10,8 @@ from collections import Counter
 import pytest
 
 from gateway.admission import RETRY_HINT_S, AdmissionController, FairQueue, Rejected
-from tests.gateway.admission_fakes import BATCH, HIGH, LOW, STANDARD, FakeClock, settle, tenant
+from tests.fake_clock import FakeClock
+from tests.gateway.admission_fakes import BATCH, HIGH, LOW, STANDARD, settle, tenant
 
 
 # ---- capacity, shedding and the queue ---------------------------------------

@@ -10,6 +10,7 @@ import logging
 from gateway.pods.prefix_index import MAX_HOLDERS_SCANNED, PENDING_TTL_S, PrefixIndex
 from kv_store.block_hash import block_key, hash_request_tokens
 from tessera.v1 import engine_pb2 as epb
+from tests.fake_clock import FakeClock
 
 BLOCK = 16
 
@@ -97,16 +98,8 @@ def test_holders_of_a_key_every_pod_holds_are_capped():
     assert depth == 2 and len(holders) == MAX_HOLDERS_SCANNED == len(set(holders))
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_routed_prompt_counts_as_held_until_pushed_or_expired():
-    clock = Clock()
+    clock = FakeClock(100.0)
     index = PrefixIndex(clock)
     index.add("a:1")
     confirmed, lost = keys_of(11, 4), keys_of(12, 4)
@@ -127,7 +120,7 @@ def test_a_routed_prompt_counts_as_held_until_pushed_or_expired():
 
 
 def test_a_pending_key_the_pod_evicts_is_gone_and_a_reset_drops_pending_keys():
-    clock = Clock()
+    clock = FakeClock(100.0)
     index = PrefixIndex(clock)
     index.add("a:1")
     prompt = keys_of(13, 3)

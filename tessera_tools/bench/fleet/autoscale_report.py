@@ -28,8 +28,8 @@ DISAGGREGATED_LIMITS = (
     "and lift either pool from zero, as in the operator (observe.gateway_queued)",
     "a prefill pool at zero is lifted only by requests queued at the gateways, which queue only while no decode "
     "pod is listed: meanwhile the decode pods compute the prompts themselves",
-    "the trace is sized for the static fleet's prefill + decode pods as if they were mixed pods "
-    "(capacity.py has no P/D model)",
+    "the trace is sized for the static fleet's pools by capacity.py's P/D split of a request's cost, which "
+    "charges no KV transfer",
     "pd.kv_store sums the counters of the pods still running at the trace's end; pods removed earlier took "
     "theirs with them (pd.redis counts every read and write)",
 )

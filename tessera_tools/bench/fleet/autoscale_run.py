@@ -46,6 +46,7 @@ from tessera_tools.bench.fleet.pods_file import PodsFile
 from tessera_tools.bench.fleet.scaling_policies import pool_policies
 from tessera_tools.bench.fleet.scenario_figures import offered_rate
 from tessera_tools.bench.fleet.scenario_replay import replay_traced
+from tessera_tools.bench.fleet.sweep import PDPools
 from tessera_tools.bench.fleet.scenario_setup import Scenario, common_record, describe, fleet_settings, plan_scenario
 
 FLEETS = ("autoscaled", "static")
@@ -221,7 +222,8 @@ def _run_all(args, scenario: Scenario, runs: dict[str, FleetRun], order: list[st
 def main(args: argparse.Namespace) -> int:
     try:
         policies = pool_policies(args)
-        scenario = plan_scenario(args, sum(p.max_replicas for p in policies.values()))
+        pd = PDPools(policies["prefill"].max_replicas, policies["decode"].max_replicas) if args.disaggregated else None
+        scenario = plan_scenario(args, sum(p.max_replicas for p in policies.values()), pd)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ from engine_pod.sim.step_profile import COEFFICIENTS, StepTimeProfile
 from tessera_tools.bench.fleet.fleet import FleetSettings, tenant_keys, write_tenants_file
 from tessera_tools.bench.fleet.policies import POLICIES
 from tessera_tools.bench.fleet.runner import max_model_len, model_path, parse_slo_flag, workload_spec
-from tessera_tools.bench.fleet.sweep import FleetSizePlan, LoadSettings, plan_fleet_size
+from tessera_tools.bench.fleet.sweep import FleetSizePlan, LoadSettings, PDPools, plan_fleet_size
 
 @dataclass(frozen=True)
 class Scenario:
@@ -31,13 +31,14 @@ class Scenario:
         return self.plan.requests[self.workload]
 
 
-def plan_scenario(args: argparse.Namespace, pods: int) -> Scenario:
-    """ValueError / OSError on a bad flag or file."""
+def plan_scenario(args: argparse.Namespace, pods: int, pd: PDPools | None = None) -> Scenario:
+    """The trace sized for `pods` mixed pods, or for the pools `pd`; ValueError / OSError on a bad flag or
+    file."""
     slos = parse_slo_flag(args.slo)
     model = model_path(args.model)
     profile = StepTimeProfile.load(args.profile)
     load = LoadSettings(args.duration, args.load, args.rate, args.burstiness, args.spike_factor, args.seed)
-    plan = plan_fleet_size(profile, workload_spec(args, pods, model), pods, load, [args.scenario_workload])
+    plan = plan_fleet_size(profile, workload_spec(args, pods, model), pods, load, [args.scenario_workload], pd)
     return Scenario(slos, model, profile, plan, POLICIES[args.scenario_policy].router, args.scenario_workload)
 
 
@@ -59,5 +60,7 @@ def common_record(args: argparse.Namespace, scenario: Scenario) -> dict:
 
 def describe(scenario: Scenario) -> str:
     t = scenario.plan.as_dict()
-    return (f"trace for {scenario.plan.pods} pods: {t['tenants']} tenants, capacity ~{t['fleet_capacity_rps']:.2f} "
+    sized = (f"{scenario.plan.pd.prefill} prefill + {scenario.plan.pd.decode} decode pods" if scenario.plan.pd
+             else f"{scenario.plan.pods} pods")
+    return (f"trace for {sized}: {t['tenants']} tenants, capacity ~{t['fleet_capacity_rps']:.2f} "
             f"req/s, steady {scenario.plan.steady_rate:.2f} req/s ({t['offered_load']:.0%}), {t['requests']} requests")

@@ -6,18 +6,11 @@ import pytest
 
 from engine_pod.server.in_flight import InFlightSeconds
 from engine_pod.server.metrics import InFlightCollector
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fake_clock import FakeClock
 
 
 def test_total_is_the_area_under_the_count():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     seconds = InFlightSeconds(clock)
     clock.now += 5.0               # idle: nothing accrues
     seconds.set(2)
@@ -31,7 +24,7 @@ def test_total_is_the_area_under_the_count():
 
 
 def test_rate_between_two_reads_is_the_mean_concurrency():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     seconds = InFlightSeconds(clock)
     seconds.set(8)
     first = seconds.total()
@@ -42,7 +35,7 @@ def test_rate_between_two_reads_is_the_mean_concurrency():
 
 
 def test_exported_as_a_counter():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     seconds = InFlightSeconds(clock)
     seconds.set(3)
     clock.now += 2.0

@@ -15,7 +15,9 @@ import pytest
 from engine_pod.sim.step_profile import StepTimeProfile
 from engine_pod.sim.tokens import simulated_output
 from tessera_tools.bench import fleet as fleet_bench
-from tessera_tools.bench.fleet.capacity import DECODE_BATCH, estimate_capacity, request_pod_seconds
+from tessera_tools.bench.fleet.capacity import (
+    DECODE_BATCH, estimate_capacity, request_pod_seconds, request_pod_seconds_by_pool,
+)
 from tessera_tools.bench.fleet.fleet import (
     MODEL_NAME, FleetSettings, process_sizes, running_fleet, tenant_keys, write_tenants_file,
 )
@@ -140,6 +142,19 @@ def test_capacity_follows_the_profile():
     capacity = estimate_capacity(profile, [(100, 10), (300, 10)])
     assert capacity.fleet_rps(16) == pytest.approx(16 / capacity.pod_seconds_per_request)
     assert capacity.mean_prompt_tokens == 200
+
+
+def test_a_disaggregated_fleet_serves_at_its_slower_pools_rate():
+    profile = StepTimeProfile(base_s=0.08, per_prefill_token_s=0.001, per_decode_seq_s=0.002, per_context_token_s=0.0)
+    # The prefill pod: 100 tokens and the first step's share of the base; the decode pod: the 9 steps after.
+    prefill, decode = request_pod_seconds_by_pool(profile, 100, 10)
+    assert (prefill, decode) == pytest.approx((0.1 + 0.08 / DECODE_BATCH, 9 * (0.002 + 0.08 / DECODE_BATCH)))
+    assert prefill + decode == pytest.approx(request_pod_seconds(profile, 100, 10))
+    capacity = estimate_capacity(profile, [(100, 10), (300, 10)])
+    assert capacity.prefill_pod_seconds_per_request == pytest.approx(0.2 + 0.01)
+    # 4 prefill pods serve 4 / 0.21 = 19 req/s, 1 decode pod 1 / 0.108 = 9.3: the decode pool bounds the fleet.
+    assert capacity.disaggregated_fleet_rps(4, 1) == pytest.approx(1 / 0.108)
+    assert capacity.disaggregated_fleet_rps(1, 4) == pytest.approx(1 / 0.21)
 
 
 def test_slo_flag_uses_serve_names():

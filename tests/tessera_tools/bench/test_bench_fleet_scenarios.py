@@ -403,6 +403,16 @@ def test_the_scenarios_workload_is_a_flag(tiny_llama, fast_profile):
     assert (shared.workload, fresh.workload) == ("shared-prefix", "no-reuse")
     assert [r.arrival_s for r in shared.requests] == [r.arrival_s for r in fresh.requests]
 
+    # Sized for a prefill and a decode pool: the slower pool's rate, not two mixed pods'.
+    from tessera_tools.bench.fleet.sweep import PDPools
+    split = plan_scenario(_parse(["--scenario", "autoscale", *common[:-2], "--load", "0.5"]), 4, PDPools(3, 1))
+    capacity = split.plan.capacity
+    assert split.plan.as_dict()["sized_for"] == {"prefill": 3, "decode": 1}
+    assert split.plan.steady_rate == pytest.approx(0.5 * min(3 / capacity.prefill_pod_seconds_per_request,
+                                                             1 / capacity.decode_pod_seconds_per_request))
+    with pytest.raises(ValueError, match="are not 5"):
+        plan_scenario(_parse(["--scenario", "autoscale", *common]), 5, PDPools(3, 1))
+
     def first_blocks(scenario):
         return [tuple(r.prompt_token_ids[:16]) for r in scenario.requests]
     assert len(set(first_blocks(fresh))) == len(fresh.requests) > len(set(first_blocks(shared)))
