@@ -247,7 +247,8 @@ def test_policy_from_spec():
                                                            "scaleDownStabilizationSeconds": 600}}}))["spec"]
     p = ScalingPolicy.from_spec(spec, "decode")
     assert (p.signal, p.target, p.min_replicas, p.max_replicas, p.down_window_s) == ("itl", 0.03, 2, 9, 600)
-    assert ScalingPolicy.from_spec(spec, "prefill").signal == "queue"
+    prefill = ScalingPolicy.from_spec(spec, "prefill")
+    assert (prefill.signal, prefill.target) == ("concurrency", 8.0)
 
 
 @pytest.mark.parametrize("role", ["mixed", "prefill", "decode"])

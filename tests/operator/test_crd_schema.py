@@ -111,7 +111,7 @@ def test_defaults_are_applied():
     assert spec["engine"]["blockSize"] == DEFAULT_BLOCK_SIZE == 16 and spec["engine"]["prefixCaching"] is True
     assert spec["pools"]["mixed"] == {"replicas": 1, "minReplicas": 1, "maxReplicas": 4, "resources": {}}
     assert spec["autoscaling"]["decode"]["signal"] == "kvUsage"
-    assert spec["autoscaling"]["mixed"]["signal"] == spec["autoscaling"]["prefill"]["signal"] == "queue"
+    assert spec["autoscaling"]["mixed"]["signal"] == spec["autoscaling"]["prefill"]["signal"] == "concurrency"
     assert spec["autoscaling"]["mixed"]["targetConcurrencyPerReplica"] == 8
     assert spec["gateway"]["priorityClasses"][0]["name"] == spec["gateway"]["defaultPriorityClass"] == "standard"
     # The defaulted object is itself valid for the reference validator.

@@ -62,7 +62,7 @@ SCALE_SIGNALS = ("queue", "ttft", "itl", "kvUsage", "concurrency")  # the CRD's 
 # The pools of `--scenario autoscale --disaggregated`, and the defaults of the flags of each pool and of
 # the mixed pool: fleet/scaling_policies.py refuses a flag of the mode not chosen when it is off its default.
 PD_ROLES = ("prefill", "decode")
-MIXED_FLAG_DEFAULTS = {"min_replicas": 1, "max_replicas": 8, "scale_signal": "queue", "scale_target": None}
+MIXED_FLAG_DEFAULTS = {"min_replicas": 1, "max_replicas": 8, "scale_signal": None, "scale_target": None}
 PD_FLAG_DEFAULTS = {"min_replicas": 1, "max_replicas": 4, "scale_signal": None, "scale_target": None}
 
 
@@ -91,7 +91,7 @@ def _add_pd_flags(group) -> None:
         group.add_argument(f"--{role}-scale-signal", choices=SCALE_SIGNALS, default=d["scale_signal"],
                            help=f"autoscale --disaggregated: the {role} pool's signal, one the CRD allows a {role} "
                                 "pool (prefill: queue, ttft, concurrency; decode: itl, kvUsage, concurrency); "
-                                "default the CRD's (prefill queue, decode kvUsage)")
+                                "default the CRD's (prefill concurrency, decode kvUsage)")
         group.add_argument(f"--{role}-scale-target", type=positive_float, default=d["scale_target"],
                            help=f"autoscale --disaggregated: the {role} signal's target (default: the CRD's)")
 
@@ -149,7 +149,7 @@ def add_parser(kinds) -> None:
                           help="autoscale: seconds between the controller's decisions")
     mixed = MIXED_FLAG_DEFAULTS
     scenario.add_argument("--scale-signal", choices=SCALE_SIGNALS, default=mixed["scale_signal"],
-                          help="autoscale: the pool's signal (the operator's)")
+                          help="autoscale: the pool's signal (the operator's; default the CRD's, concurrency)")
     scenario.add_argument("--scale-target", type=positive_float, default=mixed["scale_target"],
                           help="autoscale: the signal's target (default: the CRD's: queue 4, ttft 1.0 s, itl 0.05 s, "
                                "kvUsage 0.8, concurrency 8)")

@@ -32,7 +32,7 @@ def test_each_pool_defaults_to_the_crds_signal_and_target_for_its_role():
     policies = pool_policies(_parse(PD))
     assert list(policies) == ["prefill", "decode"]
     prefill, decode = policies["prefill"], policies["decode"]
-    assert (prefill.signal, prefill.target, decode.signal, decode.target) == ("queue", 4.0, "kvUsage", 0.8)
+    assert (prefill.signal, prefill.target, decode.signal, decode.target) == ("concurrency", 8.0, "kvUsage", 0.8)
     assert (prefill.min_replicas, prefill.max_replicas, decode.min_replicas, decode.max_replicas) == (1, 4, 1, 4)
     both = pool_policies(_parse([*PD, "--prefill-scale-signal", "concurrency", "--decode-scale-signal", "concurrency",
                                  "--decode-scale-target", "3", "--decode-max-replicas", "6", "--scale-down-window",
@@ -136,7 +136,8 @@ def test_each_pool_lists_its_pods_under_its_role_in_the_one_pods_file(tmp_path):
 def test_one_gateway_scrape_per_tick_feeds_every_pool_which_decides_on_its_own_signal(tmp_path):
     """The prefill pool on its waiting queue, the decode pool on concurrency: one tick scrapes each gateway
     once and both pools see its queued count; each scales on its own signal against its own target."""
-    h = TwoPools(tmp_path, _parse([*PD, "--decode-scale-signal", "concurrency", "--decode-scale-target", "4"]))
+    h = TwoPools(tmp_path, _parse([*PD, "--prefill-scale-signal", "queue", "--decode-scale-signal", "concurrency",
+                                   "--decode-scale-target", "4"]))
     (p,) = h.bring_up("prefill", 1)
     (d,) = h.bring_up("decode", 1)
     h.pages[p.metrics_url] = pod_text(waiting=1, running=2)  # queue 1 vs target 4: down, but not yet (window)

@@ -344,9 +344,10 @@ FLEET_KEYS = {"slo_attainment", "slo_over_time", "ttft_p50_ms", "ttft_p99_ms", "
 
 @pytest.mark.slow
 def test_autoscale_from_zero_end_to_end(tiny_llama, fast_profile, tmp_path):
-    args = _small(tiny_llama, fast_profile, tmp_path, "--scenario", "autoscale", "--min-replicas", "0",
-                  "--max-replicas", "3", "--rate", "4", "--output-len", "4,8", "--startup-delay", "1",
-                  "--scale-interval", "1", "--scale-down-window", "3", "--plots", str(tmp_path / "plots"))
+    args = _small(tiny_llama, fast_profile, tmp_path, "--scenario", "autoscale", "--scale-signal", "queue",
+                  "--min-replicas", "0", "--max-replicas", "3", "--rate", "4", "--output-len", "4,8",
+                  "--startup-delay", "1", "--scale-interval", "1", "--scale-down-window", "3",
+                  "--plots", str(tmp_path / "plots"))
     assert args.bench_func(args) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     auto, static = report["runs"]["autoscaled"], report["runs"]["static"]
