@@ -60,10 +60,14 @@ class EngineCore:
         self.tokenizer_path = tokenizer_path or str(config.model.path)
         self.executor = executor or create_executor(config)
         self.step_observer: StepObserver | None = None
+        self.kv_store = None
         try:
             self._start(config)
         except BaseException:
-            self.executor.shutdown()  # no worker outlives a failed start
+            # No worker, write-behind thread or Redis connection outlives a failed start.
+            self.executor.shutdown()
+            if self.kv_store is not None:
+                self.kv_store.close()
             raise
 
     def _start(self, config: EngineConfig) -> None:
@@ -79,7 +83,6 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.kv_store = None
         connector = None
         if config.kv_store.enabled:
             if not config.cache.enable_prefix_caching:

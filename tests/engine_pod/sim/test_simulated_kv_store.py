@@ -183,3 +183,22 @@ def test_a_simulated_engine_with_a_store_imports_no_torch(tiny_llama, redis_serv
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["3", "True"]
+
+
+def test_a_failed_start_leaves_no_store_behind(tiny_llama, redis_server, monkeypatch):
+    """A start that fails after the store is built closes it: no write-behind thread or Redis
+    connection outlives the engine that never ran."""
+    import threading
+
+    import engine_pod.engine.engine_core as engine_core
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("scheduler refused")
+
+    monkeypatch.setattr(engine_core, "Scheduler", refuse)
+    config = create_engine_config(tiny_llama, simulate=True, max_model_len=256, num_gpu_blocks=64,
+                                  kv_redis_url=redis_server.url)
+    before = {t.ident for t in threading.enumerate() if t.name == "kv-write-behind"}
+    with pytest.raises(RuntimeError, match="scheduler refused"):
+        EngineCore(config, executor=SimulatedExecutor(config, PROFILE, sleep=lambda s: None))
+    assert {t.ident for t in threading.enumerate() if t.name == "kv-write-behind"} == before
