@@ -9,7 +9,10 @@ Horizontal Pod Autoscaler's algorithm:
 
 then stabilized: a scale-up goes to the lowest recommendation of the last
 scaleUpStabilizationSeconds (0: at once), a scale-down only to the highest
-of the last scaleDownStabilizationSeconds. Steps are limited: up by
+of the last scaleDownStabilizationSeconds (scaleDownStabilization
+"highest", the HPA's rule) or to the window's mean demand rounded up
+("mean", Knative's stable window: the unrounded ready * ratio of each tick,
+so one noisy tick above target does not hold the pool for a whole window). Steps are limited: up by
 max(maxScaleUpStep, current) pods, down by maxScaleDownStep. Pending pods
 freeze scale-down (capacity is still arriving); a pool at zero replicas is
 lifted to max(1, minReplicas) as soon as the gateway holds requests for it.
@@ -38,6 +41,8 @@ class ScalingPolicy:
     down_window_s: float = 300.0
     max_up_step: int = 4
     max_down_step: int = 1
+    down_stabilization: str = "highest"
+    """How a scale-down reads its window: "highest" recommendation, or "mean" demand."""
 
     @classmethod
     def from_spec(cls, spec: dict, role: str) -> ScalingPolicy:
@@ -48,7 +53,8 @@ class ScalingPolicy:
                    min_replicas=pool["minReplicas"], max_replicas=pool["maxReplicas"],
                    tolerance=scaling["tolerance"], up_window_s=scaling["scaleUpStabilizationSeconds"],
                    down_window_s=scaling["scaleDownStabilizationSeconds"],
-                   max_up_step=scaling["maxScaleUpStep"], max_down_step=scaling["maxScaleDownStep"])
+                   max_up_step=scaling["maxScaleUpStep"], max_down_step=scaling["maxScaleDownStep"],
+                   down_stabilization=scaling["scaleDownStabilization"])
 
     def bounded(self, replicas: int) -> int:
         return max(self.min_replicas, min(self.max_replicas, replicas))
@@ -68,9 +74,9 @@ class PoolObservation:
 
 @dataclass
 class ScalerState:
-    """Recent recommendations (time, replicas): the stabilization windows look back over them."""
+    """Recent recommendations (time, replicas, demand): the stabilization windows look back over them."""
 
-    history: list[tuple[float, int]] = field(default_factory=list)
+    history: list[tuple[float, int, float]] = field(default_factory=list)
     since: float | None = None   # first tick seen; scale-down waits a whole window after it
 
 
@@ -88,21 +94,32 @@ class Decision:
 
 def recommend(policy: ScalingPolicy, obs: PoolObservation) -> tuple[int, str]:
     """The unstabilized recommendation and why."""
+    replicas, _, why = _recommendation(policy, obs)
+    return replicas, why
+
+
+def _recommendation(policy: ScalingPolicy, obs: PoolObservation) -> tuple[int, float, str]:
+    """The recommendation, the demand it rounds up (ready * ratio within the bounds: what the "mean"
+    scale-down averages; the recommendation itself where it did not follow the ratio) and why."""
+    def held(replicas: int, why: str) -> tuple[int, float, str]:
+        return replicas, float(replicas), why
+
     if obs.signal is None:
         if not obs.busy and obs.gateway_queued == 0:
-            return policy.bounded(0), "idle: no requests on the pool"
-        return policy.bounded(obs.replicas), "no samples this interval"
+            return held(policy.bounded(0), "idle: no requests on the pool")
+        return held(policy.bounded(obs.replicas), "no samples this interval")
     ratio = obs.signal / policy.target
     described = f"{policy.signal} {obs.signal:.3g} vs target {policy.target:.3g} (ratio {ratio:.2f})"
     if abs(ratio - 1.0) <= policy.tolerance:
-        return policy.bounded(obs.replicas), f"{described}, within tolerance"
+        return held(policy.bounded(obs.replicas), f"{described}, within tolerance")
     # The epsilon keeps float noise (3.0000000000000004) from buying a pod.
     recommended = math.ceil(obs.ready * ratio - 1e-9)
     if obs.busy and recommended < 1:
         # A signal of 0 (an empty waiting queue) on a pool that is serving:
         # never to zero while requests run there (only idleness scales to zero).
-        return policy.bounded(1), f"{described}, but requests are running"
-    return policy.bounded(recommended), described
+        return held(policy.bounded(1), f"{described}, but requests are running")
+    wanted = max(float(policy.min_replicas), min(float(policy.max_replicas), obs.ready * ratio))
+    return policy.bounded(recommended), wanted, described
 
 
 def decide(policy: ScalingPolicy, obs: PoolObservation, state: ScalerState, now: float) -> Decision:
@@ -119,8 +136,8 @@ def decide(policy: ScalingPolicy, obs: PoolObservation, state: ScalerState, now:
         return _from_zero(policy, obs, state, now)
     if obs.ready == 0:
         return _hold(policy, current, "WaitingForReadyPods", f"{obs.pending} pod(s) starting, none ready yet")
-    raw, why = recommend(policy, obs)
-    _remember(state, policy, now, raw)
+    raw, wanted, why = _recommendation(policy, obs)
+    _remember(state, policy, now, raw, wanted)
     if raw > current:
         return _scale_up(policy, current, state, now, why)
     if raw < current:
@@ -133,14 +150,14 @@ def decide(policy: ScalingPolicy, obs: PoolObservation, state: ScalerState, now:
 def _from_zero(policy: ScalingPolicy, obs: PoolObservation, state: ScalerState, now: float) -> Decision:
     if obs.gateway_queued > 0:
         replicas = policy.bounded(max(1, policy.min_replicas))
-        _remember(state, policy, now, replicas)
+        _remember(state, policy, now, replicas, replicas)
         return Decision(0, replicas, "ScaleFromZero", f"{obs.gateway_queued} request(s) queued at the gateway")
-    _remember(state, policy, now, 0)
+    _remember(state, policy, now, 0, 0.0)
     return Decision(0, 0, "ScaledToZero", "no queued demand")
 
 
 def _scale_up(policy: ScalingPolicy, current: int, state: ScalerState, now: float, why: str) -> Decision:
-    stabilized = min(r for t, r in state.history if t >= now - policy.up_window_s)
+    stabilized = min(r for t, r, _ in state.history if t >= now - policy.up_window_s)
     limit = current + max(policy.max_up_step, current)
     replicas = policy.bounded(min(max(current, stabilized), limit))
     return Decision(current, replicas, "ScaleUp" if replicas > current else "UpStabilizing", why)
@@ -149,7 +166,7 @@ def _scale_up(policy: ScalingPolicy, current: int, state: ScalerState, now: floa
 def _scale_down(policy: ScalingPolicy, current: int, state: ScalerState, now: float, why: str) -> Decision:
     if now - state.since < policy.down_window_s:
         return Decision(current, current, "DownStabilizing", f"{why}; first window since start")
-    stabilized = max(r for t, r in state.history if t >= now - policy.down_window_s)
+    stabilized = _down_stabilized(policy, [e for e in state.history if e[0] >= now - policy.down_window_s])
     limit = current - policy.max_down_step
     replicas = policy.bounded(max(min(current, stabilized), limit))
     return Decision(current, replicas, "ScaleDown" if replicas < current else "DownStabilizing", why)
@@ -160,7 +177,16 @@ def _hold(policy: ScalingPolicy, current: int, reason: str, message: str) -> Dec
     return Decision(current, policy.bounded(current), reason, message)
 
 
-def _remember(state: ScalerState, policy: ScalingPolicy, now: float, replicas: int) -> None:
-    state.history.append((now, replicas))
+def _down_stabilized(policy: ScalingPolicy, window: list[tuple[float, int, float]]) -> int:
+    """The fewest replicas a scale-down may go to over the window's recommendations."""
+    if policy.down_stabilization == "mean":
+        mean = sum(d for _, _, d in window) / len(window)
+        # Never below this tick's own recommendation (the last entry): it keeps a busy pool at a pod.
+        return max(math.ceil(mean - 1e-9), window[-1][1])
+    return max(r for _, r, _ in window)
+
+
+def _remember(state: ScalerState, policy: ScalingPolicy, now: float, replicas: int, wanted: float) -> None:
+    state.history.append((now, replicas, wanted))
     horizon = now - max(policy.up_window_s, policy.down_window_s)
-    state.history[:] = [(t, r) for t, r in state.history if t >= horizon]
+    state.history[:] = [e for e in state.history if e[0] >= horizon]

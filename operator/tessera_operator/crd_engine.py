@@ -151,6 +151,11 @@ def _scaling(role: str, signals: list[str], default_signal: str) -> Schema:
             "Scale down only to the highest recommendation of this window.", default=300, minimum=0, maximum=3600),
         "maxScaleUpStep": integer("Most pods added per decision (or doubling, if more).", default=4, minimum=1),
         "maxScaleDownStep": integer("Most pods removed per decision.", default=1, minimum=1),
+        "scaleDownStabilization": string(
+            "How a scale-down reads its window: highest (the Horizontal Pod Autoscaler's rule: only to the "
+            "highest recommendation of the window) or mean (Knative's stable window: the window's mean demand, "
+            "ready pods x observed/target each tick, rounded up; a noisy signal's single high ticks then do not "
+            "hold the pool up for a whole window).", enum=["highest", "mean"], default="highest"),
     }, default={})
 
 

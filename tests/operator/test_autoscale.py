@@ -126,6 +126,33 @@ def test_decay_steps_down_one_pod_at_a_time_after_the_window():
     assert changes(history, 8) <= 7
 
 
+def _noisy_steady(stabilization: str) -> list[int]:
+    """A pool of 12 under a load needing 3 pods, every third tick a burst needing 5; the up
+    window (two ticks) passes over a single burst."""
+    pool = SimPool(policy(max_replicas=12, up_window_s=30, down_stabilization=stabilization), capacity=1.0,
+                   replicas=12)
+    return run(pool, [5.0 if t % 3 == 2 else 3.0 for t in range(90)])
+
+
+def test_a_scale_down_on_the_window_mean_is_not_held_by_single_noisy_ticks():
+    highest, mean = _noisy_steady("highest"), _noisy_steady("mean")
+    # The HPA's rule holds the pool at every window's burst (5 pods); the mean demand, (3 + 3 + 5) / 3
+    # rounded up, is 4. Both descend without flapping.
+    assert highest[-30:] == [5] * 30 and mean[-30:] == [4] * 30
+    for history in (highest, mean):
+        assert history == sorted(history, reverse=True) and history[:20] == [12] * 20
+
+
+def test_the_mean_never_goes_below_this_ticks_recommendation():
+    p = policy(max_replicas=12, down_window_s=60, max_down_step=10, down_stabilization="mean")
+    state = ScalerState(since=0.0)
+    for t in range(4):  # four quiet ticks: a demand of 1 pod each
+        decide(p, PoolObservation(replicas=8, ready=8, pending=0, signal=0.5, busy=True), state, 15.0 * t)
+    # Now 4 pods' worth: the window's mean is (1 + 1 + 1 + 4) / 4 = 1.75, this tick's 4.
+    decision = decide(p, PoolObservation(replicas=8, ready=8, pending=0, signal=2.0, busy=True), state, 75.0)
+    assert (decision.replicas, decision.reason) == (4, "ScaleDown")
+
+
 def _pd_pools():
     prefill = SimPool(policy(signal="ttft", target=1.0, max_replicas=6), capacity=2.0, replicas=1)
     decode = SimPool(policy(signal="kvUsage", target=0.8, max_replicas=6), capacity=2.0, replicas=1)
@@ -247,6 +274,7 @@ def test_policy_from_spec():
                                                            "scaleDownStabilizationSeconds": 600}}}))["spec"]
     p = ScalingPolicy.from_spec(spec, "decode")
     assert (p.signal, p.target, p.min_replicas, p.max_replicas, p.down_window_s) == ("itl", 0.03, 2, 9, 600)
+    assert p.down_stabilization == "highest"  # the CRD's default: the HPA's rule
     prefill = ScalingPolicy.from_spec(spec, "prefill")
     assert (prefill.signal, prefill.target) == ("concurrency", 8.0)
 

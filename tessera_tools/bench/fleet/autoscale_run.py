@@ -188,7 +188,8 @@ def _policy_record(policy: ScalingPolicy) -> dict:
     return {"min_replicas": policy.min_replicas, "max_replicas": policy.max_replicas,
             "scale_signal": policy.signal, "scale_target": policy.target, "tolerance": policy.tolerance,
             "up_window_s": policy.up_window_s, "down_window_s": policy.down_window_s,
-            "max_up_step": policy.max_up_step, "max_down_step": policy.max_down_step}
+            "max_up_step": policy.max_up_step, "max_down_step": policy.max_down_step,
+            "down_stabilization": policy.down_stabilization}
 
 
 def _settings_record(args: argparse.Namespace, policies: dict[str, ScalingPolicy]) -> dict:

@@ -44,7 +44,8 @@ def pool_policy(args: argparse.Namespace, role: str) -> ScalingPolicy:
     return ScalingPolicy(signal=signal, target=float(target), min_replicas=low, max_replicas=high,
                          tolerance=crd["tolerance"]["default"], up_window_s=args.scale_up_window,
                          down_window_s=args.scale_down_window, max_up_step=crd["maxScaleUpStep"]["default"],
-                         max_down_step=args.max_scale_down_step or crd["maxScaleDownStep"]["default"])
+                         max_down_step=args.max_scale_down_step or crd["maxScaleDownStep"]["default"],
+                         down_stabilization=args.scale_down_stabilization or crd["scaleDownStabilization"]["default"])
 
 
 def scaling_policy(args: argparse.Namespace) -> ScalingPolicy:
