@@ -118,6 +118,7 @@ from gateway.config import AdmissionConfig, RouterConfig
 from gateway.hash_ring import HashRing
 from gateway.metrics import GatewayMetrics
 from gateway.pods import Pod, PodPool
+from gateway.pods.pod import reported_backlog
 from kv_store.block_hash import block_key
 from tessera.v1 import engine_pb2 as epb
 
@@ -323,10 +324,8 @@ class Router:
         and KV usage (a pushed report up to an interval old still counts a
         prompt prefilled since). Waiting stays the pushed count plus this
         gateway's dispatches since: those may not have reached the pod yet."""
-        if answer is None:
-            return PodLoad(pod.waiting(), pod.load.num_running, pod.load.kv_cache_usage, pod.pending_prefill_tokens())
-        return PodLoad(pod.waiting(), answer.num_running, answer.kv_cache_usage,
-                       max(0, answer.num_pending_prefill_tokens))
+        report = pod.load if answer is None else answer
+        return PodLoad(pod.waiting(), report.num_running, report.kv_cache_usage, reported_backlog(report))
 
     def _rotate(self, role: str, pods: list[Pod]) -> list[ScoredPod]:
         """The pods starting at this role's turn (the rest stay as retry

@@ -25,6 +25,12 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+def reported_backlog(report: epb.LoadReport) -> int:
+    """A load report's prefill backlog, clamped: a negative count (a faulty or hostile pod) must not
+    make a pod look better than idle."""
+    return max(0, report.num_pending_prefill_tokens)
+
+
 @dataclass
 class Pod:
     address: str
@@ -77,8 +83,7 @@ class Pod:
         gateway's dispatches since are not added: most of a short prompt is prefilled before the
         next report, and a stale count would push a conversation off the pod holding it
         (dispatched_since_report, in the waiting term, covers a burst between reports)."""
-        # Clamped: a negative count (a faulty or hostile pod) must not make a pod look better than idle.
-        return max(0, self.load.num_pending_prefill_tokens) if self.load else 0
+        return reported_backlog(self.load) if self.load else 0
 
     def free_slots(self, max_waiting: int, max_kv_usage: float) -> int:
         """How many more requests this pod can queue before it is saturated."""

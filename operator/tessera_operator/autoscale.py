@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tessera_operator.crd_engine import POOL_NAMES
+from tessera_operator.crd_engine import DOWN_STABILIZATIONS, POOL_NAMES
 
 TARGET_FIELDS = {"queue": "targetQueuePerReplica", "ttft": "targetTTFTSeconds",
                  "itl": "targetITLSeconds", "kvUsage": "targetKVUsage",
@@ -43,6 +43,10 @@ class ScalingPolicy:
     max_down_step: int = 1
     down_stabilization: str = "highest"
     """How a scale-down reads its window: "highest" recommendation, or "mean" demand."""
+
+    def __post_init__(self) -> None:
+        if self.down_stabilization not in DOWN_STABILIZATIONS:
+            raise ValueError(f"down_stabilization {self.down_stabilization!r}: one of {', '.join(DOWN_STABILIZATIONS)}")
 
     @classmethod
     def from_spec(cls, spec: dict, role: str) -> ScalingPolicy:

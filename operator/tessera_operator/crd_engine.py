@@ -22,6 +22,9 @@ from tessera_operator.schema_dsl import (
     string_map,
 )
 
+# How a scale-down reads its window (autoscaling.<pool>.scaleDownStabilization).
+DOWN_STABILIZATIONS = ("highest", "mean")
+
 POOL_NAMES = POD_ROLES  # one pool per engine pod role
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 SPEC_METHODS = ("ngram",)
@@ -155,7 +158,7 @@ def _scaling(role: str, signals: list[str], default_signal: str) -> Schema:
             "How a scale-down reads its window: highest (the Horizontal Pod Autoscaler's rule: only to the "
             "highest recommendation of the window) or mean (Knative's stable window: the window's mean demand, "
             "ready pods x observed/target each tick, rounded up; a noisy signal's single high ticks then do not "
-            "hold the pool up for a whole window).", enum=["highest", "mean"], default="highest"),
+            "hold the pool up for a whole window).", enum=list(DOWN_STABILIZATIONS), default="highest"),
     }, default={})
 
 

@@ -153,6 +153,11 @@ def test_the_mean_never_goes_below_this_ticks_recommendation():
     assert (decision.replicas, decision.reason) == (4, "ScaleDown")
 
 
+def test_an_unknown_scale_down_rule_is_refused():
+    with pytest.raises(ValueError, match="down_stabilization 'lowest': one of highest, mean"):
+        policy(down_stabilization="lowest")
+
+
 def _pd_pools():
     prefill = SimPool(policy(signal="ttft", target=1.0, max_replicas=6), capacity=2.0, replicas=1)
     decode = SimPool(policy(signal="kvUsage", target=0.8, max_replicas=6), capacity=2.0, replicas=1)

@@ -146,6 +146,8 @@ INVALID = [
     ("concurrency target below its minimum",
      {"autoscaling": {"decode": {"signal": "concurrency", "targetConcurrencyPerReplica": 0.05}}},
      "spec.autoscaling.decode.targetConcurrencyPerReplica", True),
+    ("unknown scale-down rule", {"autoscaling": {"mixed": {"scaleDownStabilization": "lowest"}}},
+     "spec.autoscaling.mixed.scaleDownStabilization", True),
     ("zero weight", {"gateway": {"priorityClasses": [{"name": "a", "priority": 1, "weight": 0}],
                                  "defaultPriorityClass": "a"}}, "spec.gateway.priorityClasses[0].weight", True),
     ("unknown attention backend", {"engine": {"attentionBackend": "flash"}}, "spec.engine.attentionBackend", True),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+from tessera_operator.crd_engine import DOWN_STABILIZATIONS
 from tessera_tools.bench.fleet.policies import POLICIES
 from tessera_tools.bench.fleet.workload import WORKLOADS
 from tessera_tools.bench.flags import (
@@ -164,7 +165,7 @@ def add_parser(kinds) -> None:
                           help="autoscale: scale-down stabilization seconds (the CRD's 300 s is longer than a run)")
     scenario.add_argument("--max-scale-down-step", type=positive_int, default=None,
                           help="autoscale: most pods removed per decision (default: the CRD's maxScaleDownStep, 1)")
-    scenario.add_argument("--scale-down-stabilization", choices=("highest", "mean"), default=None,
+    scenario.add_argument("--scale-down-stabilization", choices=DOWN_STABILIZATIONS, default=None,
                           help="autoscale: how a scale-down reads its window: the highest recommendation (the HPA's) "
                                "or the mean demand (Knative's stable window); default the CRD's, highest")
     scenario.add_argument("--startup-delay", type=non_negative_float, default=10.0,

@@ -6,7 +6,6 @@ pod-minutes; and a small fleet end to end, P/D through a real redis-server."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from tessera_tools.bench.fleet.pd_store import kv_store_counters, pod_args, rout
 from tessera_tools.bench.fleet.pods_file import PodsFile
 from tessera_tools.bench.fleet.scaling_policies import pool_policies
 from tests.tessera_tools.bench.test_bench_fleet_scenarios import (  # noqa: F401 (fast_profile: a fixture)
-    DELAY, GATEWAYS, GRACE, FakePod, _parse, _small, fast_profile, gateway_text, pod_text,
+    DELAY, GATEWAYS, GRACE, FakePod, _parse, _run_report, _small, fast_profile, gateway_text, pod_text,
 )
 
 PD = ["--scenario", "autoscale", "--disaggregated"]
@@ -214,8 +213,7 @@ def test_disaggregated_autoscale_end_to_end(tiny_llama, fast_profile, tmp_path):
                   "--decode-scale-signal", "concurrency", "--decode-scale-target", "0.02",
                   "--startup-delay", "1", "--scale-interval", "1", "--scale-down-window", "3",
                   "--plots", str(tmp_path / "plots"))
-    assert args.bench_func(args) == 0
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = _run_report(args)
     auto, static = report["runs"]["autoscaled"], report["runs"]["static"]
     for run in (auto, static):
         assert run["requests"] == report["trace"]["requests"] and run["failed"] == 0, run["endings"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -338,6 +339,12 @@ def _small(tiny_llama, fast_profile, tmp_path, *extra: str) -> argparse.Namespac
                    "--output", str(tmp_path / "report.json"), "--logs", str(tmp_path / "logs"), *extra])
 
 
+def _run_report(args: argparse.Namespace) -> dict:
+    """Runs the scenario `args` describe (it must exit 0) and returns its JSON report."""
+    assert args.bench_func(args) == 0
+    return json.loads(Path(args.output).read_text())
+
+
 FLEET_KEYS = {"slo_attainment", "slo_over_time", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
               "pod_minutes", "timeline", "pod_events", "decisions", "endings", "pod_process_rss_mb"}
 
@@ -348,8 +355,7 @@ def test_autoscale_from_zero_end_to_end(tiny_llama, fast_profile, tmp_path):
                   "--min-replicas", "0", "--max-replicas", "3", "--rate", "4", "--output-len", "4,8",
                   "--startup-delay", "1", "--scale-interval", "1", "--scale-down-window", "3",
                   "--plots", str(tmp_path / "plots"))
-    assert args.bench_func(args) == 0
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = _run_report(args)
     auto, static = report["runs"]["autoscaled"], report["runs"]["static"]
     for run in (auto, static):
         assert FLEET_KEYS <= set(run), FLEET_KEYS - set(run)
@@ -381,8 +387,7 @@ def test_autoscale_from_zero_end_to_end(tiny_llama, fast_profile, tmp_path):
 def test_faults_end_to_end(tiny_llama, fast_profile, tmp_path):
     args = _small(tiny_llama, fast_profile, tmp_path, "--scenario", "faults", "--pods", "4", "--pods-per-process",
                   "2", "--rate", "6", "--output-len", "30,60")
-    assert args.bench_func(args) == 0
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = _run_report(args)
     endings, failure = report["endings"], report["failure"]
     assert report["processes"] == 2 and len(report["killed_processes"]) == 1 and len(failure["killed_pods"]) == 2
     assert failure["kill_at_s"] == pytest.approx(6.0, abs=0.5)  # the spike's start
