@@ -4,8 +4,9 @@ first token, and the prefill half of a P/D request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import grpc
 
@@ -66,9 +67,24 @@ def _still_routable(candidates: list[Pod], budget: _AttemptBudget) -> Iterator[P
             yield pod
 
 
+async def _attempts(candidates: list[Pod], budget: _AttemptBudget,
+                    replan: Callable[[], Awaitable[list[Pod]]] | None) -> AsyncIterator[Pod]:
+    """The pods to try in turn: the candidates still routable, then, while
+    no pod has run the request (every one tried refused it or had left),
+    those of a new plan: a request routed to the last pods of a pool as
+    they were scaled away waits for the next (`replan` waits for a pod,
+    within the request's deadline, and raises when none comes)."""
+    while True:
+        for pod in _still_routable(candidates, budget):
+            yield pod
+        if replan is None or budget.failed or not budget.left:
+            return
+        candidates = await replan()
+
+
 async def stream_choice(
     pool: PodPool, candidates: list[Pod], request: epb.GenerateRequest, metadata: list[tuple[str, str]],
-    on_attempt: Callable[[Pod, int], None],
+    on_attempt: Callable[[Pod, int], None], replan: Callable[[], Awaitable[list[Pod]]] | None = None,
 ) -> AsyncIterator[epb.GenerateResponse]:
     """Responses of one engine request. A pod that fails before its first
     response is ejected and the request goes to the next candidate (see
@@ -76,56 +92,60 @@ async def stream_choice(
     after the first response a failure raises StreamBroken. Each response
     must come within `router.stream_idle_timeout_s`, and the pool ends the
     call at once if the pod stalls (gateway/pods/deadline.py): the same
-    failure, retried or StreamBroken. Cancelling the consumer cancels the
-    call, which aborts the request on the pod."""
+    failure, retried or StreamBroken. With `replan`, a request no pod has
+    run yet goes on to a new plan's candidates (_attempts). Cancelling the
+    consumer cancels the call, which aborts the request on the pod."""
     last_error: GatewayError | None = None
     budget = _AttemptBudget()
-    for attempt, pod in enumerate(_still_routable(candidates, budget)):
-        on_attempt(pod, attempt)
-        started = False
-        call = span = None
-        deadline = ProgressDeadline(pool.router_config.stream_idle_timeout_s, "response from the engine pod",
-                                    pool.loop_lag)
-        pod.calls.add(deadline)
-        try:
-            # Not made current: an async generator may be closed from another
-            # task, where the context it attached could not be detached.
-            span = tracer("tessera.gateway").start_span("gateway.engine_call")
-            span.set_attribute("tessera.pod", pod.address)
-            span.set_attribute("tessera.attempt", attempt)
-            call = pod.stub.Generate(request, metadata=inject_metadata(list(metadata), span))
-            while (response := await deadline.read(call)) is not grpc.aio.EOF:
-                started = True
-                yield response
-                if response.finish_reason:
-                    return
-            raise StreamBroken("engine stream ended without a finish reason")
-        except NoProgress as e:
-            last_error = unavailable(str(e), "engine_stalled")
-            if started:
-                raise StreamBroken(last_error.message) from None
-            budget.spend(refused=False)
-            logger.warning("request %s: %s made no progress before its first token (%s); %s", request.request_id,
-                           pod.address, e, "retrying" if budget.left else "giving up")
-        except grpc.aio.AioRpcError as e:
-            last_error = _engine_error(e)
-            if e.code() in _CLIENT_ERRORS:
-                raise last_error from None
-            if started:
-                raise StreamBroken(last_error.message) from None
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-                pool.eject(pod, f"generate: {e.code().name}")
-            budget.spend(refused=e.code() == grpc.StatusCode.UNAVAILABLE)
-            logger.warning("request %s: %s failed before its first token (%s); %s", request.request_id,
-                           pod.address, e.code().name, "retrying" if budget.left else "giving up")
-        finally:
-            pod.calls.discard(deadline)
-            # The consumer may stop early (a stop string, a disconnect): the
-            # cancelled call aborts the request on the pod, freeing its KV.
-            if call is not None and not call.done():
-                call.cancel()
-            if span is not None:
-                span.end()
+    attempt = -1
+    async with contextlib.aclosing(_attempts(candidates, budget, replan)) as attempts:
+        async for pod in attempts:
+            attempt += 1
+            on_attempt(pod, attempt)
+            started = False
+            call = span = None
+            deadline = ProgressDeadline(pool.router_config.stream_idle_timeout_s, "response from the engine pod",
+                                        pool.loop_lag)
+            pod.calls.add(deadline)
+            try:
+                # Not made current: an async generator may be closed from another
+                # task, where the context it attached could not be detached.
+                span = tracer("tessera.gateway").start_span("gateway.engine_call")
+                span.set_attribute("tessera.pod", pod.address)
+                span.set_attribute("tessera.attempt", attempt)
+                call = pod.stub.Generate(request, metadata=inject_metadata(list(metadata), span))
+                while (response := await deadline.read(call)) is not grpc.aio.EOF:
+                    started = True
+                    yield response
+                    if response.finish_reason:
+                        return
+                raise StreamBroken("engine stream ended without a finish reason")
+            except NoProgress as e:
+                last_error = unavailable(str(e), "engine_stalled")
+                if started:
+                    raise StreamBroken(last_error.message) from None
+                budget.spend(refused=False)
+                logger.warning("request %s: %s made no progress before its first token (%s); %s", request.request_id,
+                               pod.address, e, "retrying" if budget.left else "giving up")
+            except grpc.aio.AioRpcError as e:
+                last_error = _engine_error(e)
+                if e.code() in _CLIENT_ERRORS:
+                    raise last_error from None
+                if started:
+                    raise StreamBroken(last_error.message) from None
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                    pool.eject(pod, f"generate: {e.code().name}")
+                budget.spend(refused=e.code() == grpc.StatusCode.UNAVAILABLE)
+                logger.warning("request %s: %s failed before its first token (%s); %s", request.request_id,
+                               pod.address, e.code().name, "retrying" if budget.left else "giving up")
+            finally:
+                pod.calls.discard(deadline)
+                # The consumer may stop early (a stop string, a disconnect): the
+                # cancelled call aborts the request on the pod, freeing its KV.
+                if call is not None and not call.done():
+                    call.cancel()
+                if span is not None:
+                    span.end()
     raise last_error or unavailable("no engine pod is available", "no_engine_pod")
 
 

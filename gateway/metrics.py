@@ -50,6 +50,12 @@ class GatewayMetrics:
                                       registry=r)
         # Looked up once (labels() costs more than the update); every outcome shows from the start, at 0.
         self.prefix_query_outcomes = {o: self.prefix_queries.labels(o) for o in PREFIX_QUERY_OUTCOMES}
+        # The demand for a prefill pool at zero pods, where nothing queues: the decode pods serve
+        # (tessera_operator/autoscale.py lifts the pool on its increase).
+        self.prefills_unplaced = Counter(
+            "tessera:gateway_prefills_unplaced",
+            "Prompts that disaggregation would send to a prefill pod, prefilled by their decode pod "
+            "because no prefill pod was routable", registry=r)
         self.retries = Counter("tessera:gateway_retries", "Engine calls retried on another pod before the first token",
                                registry=r)
         # What the gateway itself adds before a request's first token reaches
@@ -58,7 +64,8 @@ class GatewayMetrics:
             "tessera:gateway_dispatch_seconds",
             "Arrival at the gateway to its first engine call sent, less the wait in the admission queue "
             "(checks, tokenizing, routing with its prefix queries)",
-            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0), registry=r)
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.05, 0.1, 0.25, 1.0),
+            registry=r)
         self.queue_length = Gauge("tessera:gateway_queue_length", "Requests waiting in the admission queue",
                                   ["priority_class"], registry=r)
         self.pushed_prefix_blocks = Gauge("tessera:gateway_pushed_prefix_blocks",

@@ -49,6 +49,8 @@ class ResponseStream:
         self.ticket = ticket
         self.arrival = arrival
         self._dispatched = False  # the first engine call is sent (tessera:gateway_dispatch_seconds)
+        # However often it is routed again (_replan), the request waits for a pod until then at most.
+        self._pod_deadline = time.monotonic() + gateway.config.admission.queue_timeout_s
         self.endpoint = endpoint
         self.created = int(time.time())
         self.choices = [ChoiceState(i, gateway.model.tokenizer, prompt_ids, req.options)
@@ -75,7 +77,7 @@ class ResponseStream:
 
     async def start(self) -> None:
         g = self.gateway
-        plan = await g.plan(self.prompt_ids, self.tenant.cache_salt, self.id)
+        plan = await g.plan(self.prompt_ids, self.tenant.cache_salt, self.id, self._pod_deadline)
         metadata = [("x-tessera-tenant", self.tenant.name)]
         prefill_task = None
         if plan.prefill_candidates:
@@ -137,7 +139,9 @@ class ResponseStream:
                 consume = await asyncio.shield(prefill_task)
             request = self._engine_request(choice.index, plan, consume)
             kind = "decode" if prefill_task is not None else "route"
-            responses = stream_choice(self.gateway.pool, plan.candidates, request, metadata, self._on_attempt(kind))
+            replan = self._replan if self.gateway.config.admission.queue_without_pods else None
+            responses = stream_choice(self.gateway.pool, plan.candidates, request, metadata, self._on_attempt(kind),
+                                      replan)
             async for response in responses:
                 update = choice.on_response(response)
                 self.ticket.charge_output_tokens(len(response.token_ids))
@@ -155,6 +159,13 @@ class ResponseStream:
         finally:
             if responses is not None:
                 await responses.aclose()
+
+    async def _replan(self) -> list[Pod]:
+        """New candidates for a request no pod has run yet (its pods left or
+        refused it: a pool scaled down to zero as it was routed), waiting for
+        a pod until the first plan's deadline (Gateway.plan raises then)."""
+        plan = await self.gateway.plan(self.prompt_ids, self.tenant.cache_salt, self.id, self._pod_deadline)
+        return plan.candidates
 
     async def _pump(self, updates: AsyncIterator[ChoiceUpdate]) -> None:
         """Feed one choice's updates to the merged queue. Whatever ends it

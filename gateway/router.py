@@ -118,7 +118,7 @@ from gateway.config import AdmissionConfig, RouterConfig
 from gateway.hash_ring import HashRing
 from gateway.metrics import GatewayMetrics
 from gateway.pods import Pod, PodPool
-from gateway.pods.pod import reported_backlog
+from gateway.pods.pod import sanitized
 from kv_store.block_hash import block_key
 from tessera.v1 import engine_pb2 as epb
 
@@ -325,7 +325,7 @@ class Router:
         prompt prefilled since). Waiting stays the pushed count plus this
         gateway's dispatches since: those may not have reached the pod yet."""
         report = pod.load if answer is None else answer
-        return PodLoad(pod.waiting(), report.num_running, report.kv_cache_usage, reported_backlog(report))
+        return PodLoad(pod.waiting(), report.num_running, report.kv_cache_usage, report.num_pending_prefill_tokens)
 
     def _rotate(self, role: str, pods: list[Pod]) -> list[ScoredPod]:
         """The pods starting at this role's turn (the rest stay as retry
@@ -361,4 +361,5 @@ class Router:
                 self.pool.eject(pod, "prefix query: UNAVAILABLE")
             return NO_MATCH
         self._prefix_queries["ok"].inc()
+        report = sanitized(report)
         return PrefixMatch(report.matched_prefix_blocks, report)

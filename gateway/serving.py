@@ -199,17 +199,20 @@ class Gateway:
                     raise unavailable(e.message, e.reason, e.retry_after) from None
                 raise rate_limited(e.message, e.reason, e.retry_after) from None
 
-    async def plan(self, prompt_ids: list[int], cache_salt: str, request_id: str) -> Plan:
+    async def plan(self, prompt_ids: list[int], cache_salt: str, request_id: str,
+                   deadline: float | None = None) -> Plan:
         """Rank pods for the request; decide on P/D disaggregation. With
         admission.queue_without_pods, a request admitted just before the
-        last pod left waits for one (up to queue_timeout_s) instead of a 503."""
+        last pod left waits for one (until `deadline`, a time.monotonic();
+        default queue_timeout_s from now) instead of a 503."""
         with _tracer.start_as_current_span("gateway.route") as span:
             hashes = hash_request_tokens(prompt_ids, self.model.block_size, cache_salt)
             key = hashes[0] if hashes else request_id.encode()
             keys = self.router.block_keys(hashes)
             plan = await self._ranked_plan(hashes, keys, len(prompt_ids), key)
             if not plan.candidates and self.config.admission.queue_without_pods:
-                deadline = time.monotonic() + self.config.admission.queue_timeout_s
+                if deadline is None:
+                    deadline = time.monotonic() + self.config.admission.queue_timeout_s
                 while not plan.candidates and time.monotonic() < deadline:
                     await asyncio.sleep(_NO_POD_POLL_S)
                     plan = await self._ranked_plan(hashes, keys, len(prompt_ids), key)
@@ -228,13 +231,19 @@ class Gateway:
         ranked = await self.router.rank("mixed", hashes, num_tokens, key, keys)
         if not ranked:  # only P/D pods, one pool down: decode pods compute prompts themselves
             ranked = await self.router.rank("decode", hashes, num_tokens, key, keys)
+            if ranked and self._wants_prefill_pod(ranked[0], num_tokens):
+                self.metrics.prefills_unplaced.inc()  # a prefill pool at zero: its only demand signal
         return self._plan_from(ranked, [])
+
+    def _wants_prefill_pod(self, decode: ScoredPod, num_tokens: int) -> bool:
+        """Disaggregation's test: the prompt's part not cached on its decode pod is worth a prefill pod."""
+        uncached = num_tokens - decode.matched_blocks * self.model.block_size
+        return uncached >= self.config.disaggregation.min_uncached_tokens
 
     async def _plan_disaggregated(self, hashes: list[bytes], keys: list[int], num_tokens: int,
                                   key: bytes) -> Plan:
         decode = await self.router.rank("decode", hashes, num_tokens, key, keys)
-        matched = decode[0].matched_blocks * self.model.block_size if decode else 0
-        if num_tokens - matched < self.config.disaggregation.min_uncached_tokens:
+        if not decode or not self._wants_prefill_pod(decode[0], num_tokens):
             return self._plan_from(decode, [])
         prefill_ranked = await self.router.rank("prefill", hashes, num_tokens, key, keys)
         return self._plan_from(decode, [s.pod for s in prefill_ranked])

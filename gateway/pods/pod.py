@@ -4,6 +4,7 @@ and whether it is routable."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -25,10 +26,19 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-def reported_backlog(report: epb.LoadReport) -> int:
-    """A load report's prefill backlog, clamped: a negative count (a faulty or hostile pod) must not
-    make a pod look better than idle."""
-    return max(0, report.num_pending_prefill_tokens)
+def sanitized(report: epb.LoadReport) -> epb.LoadReport:
+    """The report with every load figure clamped to what an honest pod can
+    send, in place: counts at least 0, KV usage in [0, 1] (NaN as full).
+    A faulty or hostile pod must not look better than idle and draw every
+    request; one claiming to be busier than it is only hurts itself. Every
+    report entering the gateway, pushed or answered, passes here once."""
+    report.num_running = max(0, report.num_running)
+    report.num_waiting = max(0, report.num_waiting)
+    report.num_pending_prefill_tokens = max(0, report.num_pending_prefill_tokens)
+    report.matched_prefix_blocks = max(0, report.matched_prefix_blocks)
+    usage = report.kv_cache_usage
+    report.kv_cache_usage = 1.0 if math.isnan(usage) else min(1.0, max(0.0, usage))
+    return report
 
 
 @dataclass
@@ -67,7 +77,7 @@ class Pod:
         return self.healthy and self.load is not None and self.load.serving and not self.load.stalled
 
     def on_report(self, report: epb.LoadReport) -> None:
-        self.load = report
+        self.load = sanitized(report)
         self.load_time = time.monotonic()
         self.dispatched_since_report = 0
         self.healthy = True
@@ -83,7 +93,7 @@ class Pod:
         gateway's dispatches since are not added: most of a short prompt is prefilled before the
         next report, and a stale count would push a conversation off the pod holding it
         (dispatched_since_report, in the waiting term, covers a burst between reports)."""
-        return reported_backlog(self.load) if self.load else 0
+        return self.load.num_pending_prefill_tokens if self.load else 0
 
     def free_slots(self, max_waiting: int, max_kv_usage: float) -> int:
         """How many more requests this pod can queue before it is saturated."""

@@ -74,6 +74,10 @@ class PoolObservation:
     signal: float | None       # the policy's signal; None when there were no samples this interval
     busy: bool                 # requests running or waiting on the pool's pods
     gateway_queued: int = 0    # requests the gateway holds for this pool (the only signal at zero pods)
+    # A prefill pool's: prompts the gateways had a decode pod prefill since the last tick, for
+    # want of a prefill pod. At zero prefill pods nothing queues (the decode pods serve), so this
+    # is the demand that lifts the pool from zero.
+    prefills_unplaced: int = 0
 
 
 @dataclass
@@ -152,10 +156,12 @@ def decide(policy: ScalingPolicy, obs: PoolObservation, state: ScalerState, now:
 
 
 def _from_zero(policy: ScalingPolicy, obs: PoolObservation, state: ScalerState, now: float) -> Decision:
-    if obs.gateway_queued > 0:
+    if obs.gateway_queued > 0 or obs.prefills_unplaced > 0:
         replicas = policy.bounded(max(1, policy.min_replicas))
         _remember(state, policy, now, replicas, replicas)
-        return Decision(0, replicas, "ScaleFromZero", f"{obs.gateway_queued} request(s) queued at the gateway")
+        why = (f"{obs.gateway_queued} request(s) queued at the gateway" if obs.gateway_queued
+               else f"{obs.prefills_unplaced} prompt(s) prefilled on decode pods for want of a prefill pod")
+        return Decision(0, replicas, "ScaleFromZero", why)
     _remember(state, policy, now, 0, 0.0)
     return Decision(0, 0, "ScaledToZero", "no queued demand")
 

@@ -21,7 +21,7 @@ from tessera_operator.autoscale import Decision, ScalerState, ScalingPolicy, dec
 from tessera_operator.cli import DEFAULT_INTERVAL_S
 from tessera_operator.kube import ApiError, ClusterApi
 from tessera_operator.names import Owner
-from tessera_operator.observe import ScrapeMemory, gateway_queued, observe_pool
+from tessera_operator.observe import ScrapeMemory, gateway_demand, observe_pool
 from tessera_operator.reconcile import desired_objects, pool_replicas, stale_keys, validated
 from tessera_operator.status import build_status
 from tessera_operator.validation import InvalidInferenceService
@@ -111,11 +111,11 @@ def _autoscale(api: ClusterApi, body: dict, memo: kopf.Memo, replicas: dict[str,
     spec, owner = validated(body)["spec"], Owner.of(body)
     scalers: dict[str, ScalerState] = memo.setdefault("scalers", {})
     scrapes: ScrapeMemory = memo.setdefault("scrapes", ScrapeMemory())
-    queued = gateway_queued(api, owner)
+    demand = gateway_demand(api, owner, scrapes)
     decisions = []
     for role, current in replicas.items():
         policy = ScalingPolicy.from_spec(spec, role)
-        obs = observe_pool(api, owner, role, current, policy.signal, queued, scrapes)
+        obs = observe_pool(api, owner, role, current, policy.signal, demand, scrapes)
         decisions.append((role, decide(policy, obs, scalers.setdefault(role, ScalerState()), now)))
     return decisions
 

@@ -21,6 +21,8 @@ class ScrapeMemory:
     """Last samples per pool and pod: latency means are differences between two scrapes."""
 
     samples: dict[str, dict[str, signals.PodSample]] = field(default_factory=dict)
+    gateway_counters: dict[str, float] = field(default_factory=dict)
+    """Each gateway pod's unplaced-prefills counter at the last scrape (signals.gateway_demand)."""
 
 
 def _scrape_ready(api: ClusterApi, ready: list[dict], port: int) -> dict[str, tuple[str, float]]:
@@ -37,25 +39,28 @@ def _scrape_ready(api: ClusterApi, ready: list[dict], port: int) -> dict[str, tu
     return texts
 
 
-def gateway_queued(api: ClusterApi, owner: Owner) -> int:
-    """Requests the gateway pods hold in their admission queues, summed over gateway replicas.
+def gateway_demand(api: ClusterApi, owner: Owner, memory: ScrapeMemory) -> signals.GatewayDemand:
+    """What the ready gateway pods report: their queued requests, summed over replicas, and the
+    prompts prefilled on decode pods for want of a prefill pod since the last tick.
 
     The gateway does not split its queue by pool; every request needs the pool(s) on its path,
     so queued demand counts for each pool: it lifts a pool from zero, and is part of its concurrency.
     """
     ready = [p for p in api.list_pods(owner.namespace, names.gateway_selector(owner)) if pods.is_ready(p)]
-    texts = _scrape_ready(api, ready, GATEWAY_METRICS_PORT)
-    return sum(signals.parse_gateway_queued(text) for text, _ in texts.values())
+    texts = {name: text for name, (text, _) in _scrape_ready(api, ready, GATEWAY_METRICS_PORT).items()}
+    demand, memory.gateway_counters = signals.gateway_demand(texts, memory.gateway_counters)
+    return demand
 
 
 def observe_pool(api: ClusterApi, owner: Owner, role: str, replicas: int, signal: str,
-                 queued: int, memory: ScrapeMemory) -> PoolObservation:
+                 demand: signals.GatewayDemand, memory: ScrapeMemory) -> PoolObservation:
     all_pods = api.list_pods(owner.namespace, names.pool_selector(owner, role))
     ready = [p for p in all_pods if pods.is_ready(p)]
     starting = [p for p in all_pods if pods.is_starting(p)]
     samples = {name: signals.parse_pod_metrics(text, scraped_at=at)
                for name, (text, at) in _scrape_ready(api, ready, METRICS_PORT).items()}
-    pool = signals.pool_signals(samples, memory.samples.get(role, {}), gateway_queued=queued)
+    pool = signals.pool_signals(samples, memory.samples.get(role, {}), gateway_queued=demand.queued)
     memory.samples[role] = samples
     return PoolObservation(replicas=replicas, ready=len(ready), pending=len(starting), signal=pool.value(signal),
-                           busy=pool.busy, gateway_queued=queued)
+                           busy=pool.busy, gateway_queued=demand.queued,
+                           prefills_unplaced=demand.prefills_unplaced if role == "prefill" else 0)

@@ -30,6 +30,8 @@ ITL = "tessera:inter_token_latency_seconds"
 IN_FLIGHT_SECONDS = "tessera:request_in_flight_seconds_total"
 # Gauge of gateway/metrics.py: requests waiting in its admission queue (one series per priority class).
 GATEWAY_QUEUED = "tessera:gateway_queue_length"
+# Counter of gateway/metrics.py: prompts a decode pod prefilled for want of a prefill pod.
+GATEWAY_PREFILLS_UNPLACED = "tessera:gateway_prefills_unplaced_total"
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,53 @@ def parse_pod_metrics(text: str, scraped_at: float | None = None) -> PodSample:
     )
 
 
+@dataclass(frozen=True)
+class GatewayDemand:
+    """What the gateways' metrics show of demand that the pools' own metrics cannot."""
+
+    queued: int = 0
+    """Requests in the gateways' admission queues, summed over the replicas."""
+    prefills_unplaced: int = 0
+    """Prompts the gateways had a decode pod prefill since the previous scrape, for want of a
+    prefill pod (a prefill pool at zero: nothing queues while the decode pods serve)."""
+
+
+def _parse_gateway(text: str) -> tuple[int, float | None]:
+    """One gateway pod's queued requests (all priority classes) and its unplaced-prefills counter
+    (None from a gateway that does not export it)."""
+    queued, unplaced = 0.0, None
+    for s in _samples(text):
+        if s.name == GATEWAY_QUEUED:
+            queued += s.value
+        elif s.name == GATEWAY_PREFILLS_UNPLACED:
+            unplaced = (unplaced or 0.0) + s.value
+    return int(queued), unplaced
+
+
 def parse_gateway_queued(text: str) -> int:
     """Requests one gateway pod holds in its admission queue (all priority classes)."""
-    return int(sum(s.value for s in _samples(text) if s.name == GATEWAY_QUEUED))
+    return _parse_gateway(text)[0]
+
+
+def gateway_demand(texts: dict[str, str], previous: dict[str, float]) -> tuple[GatewayDemand, dict[str, float]]:
+    """This scrape's demand from each gateway pod's metrics text ({pod: text}), given the counters
+    of the previous scrape; and this scrape's counters, to pass as `previous` next time."""
+    parsed = {pod: _parse_gateway(text) for pod, text in texts.items()}
+    counters = {pod: unplaced for pod, (_, unplaced) in parsed.items() if unplaced is not None}
+    queued = sum(q for q, _ in parsed.values())
+    return GatewayDemand(queued, counter_increase(counters, previous)), counters
+
+
+def counter_increase(current: dict[str, float], previous: dict[str, float]) -> int:
+    """How much per-pod counters rose since the previous scrape, summed. A pod seen for the first
+    time adds nothing (its count so far says nothing about this interval; the operator may have
+    just started), one whose counter went down (it restarted) adds its count since."""
+    rise = 0.0
+    for pod, value in current.items():
+        before = previous.get(pod)
+        if before is not None:
+            rise += value - before if value >= before else value
+    return int(rise)
 
 
 def _delta(cur_sum: float, cur_count: float, prev: PodSample | None, which: str) -> tuple[float, float]:

@@ -17,7 +17,7 @@ import pytest
 import gateway.pods.pool as pool_module
 from gateway.config import AdmissionConfig, GatewayConfigError, RouterConfig, gateway_config_from_dict
 from gateway.engine_call import prefill, stream_choice
-from gateway.errors import StreamBroken
+from gateway.errors import GatewayError, StreamBroken
 from gateway.pods import Pod, PodPool
 from gateway.pods.deadline import NoProgress, ProgressDeadline
 from tessera.v1 import engine_pb2 as epb
@@ -232,6 +232,53 @@ def test_silent_generate_stream_ends_after_the_idle_timeout(fake_pods):
         # The prefill half of P/D obeys the same deadline: the decode pod
         # then computes the prompt itself.
         assert await prefill(pool, [a], epb.GenerateRequest(request_id="p"), [], lambda p, i: None) is False
+        await pool.close()
+
+    _run(scenario())
+
+
+def test_a_request_whose_pods_left_before_it_ran_goes_to_the_next_plan(fake_pods):
+    """Routed to a pod that left before the call (a pool scaled to zero as
+    the request was routed): with `replan` it runs on the next plan's pod;
+    without, it ends with no_engine_pod."""
+    async def scenario():
+        pool, a, b = await _fake_pool()
+        replans = 0
+
+        async def replan() -> list[Pod]:
+            nonlocal replans
+            replans += 1
+            await asyncio.sleep(0.1)  # the next pod starts
+            return [b]
+
+        tried: list[str] = []
+        pool.eject(a, "scaled down")  # no await until the call: it stays out
+        responses = await _drain(stream_choice(pool, [a], epb.GenerateRequest(request_id="r"), [],
+                                               lambda pod, i: tried.append(pod.address), replan))
+        assert tried == ["b:1"] and replans == 1 and responses[-1].finish_reason == "length"
+
+        pool.eject(a, "scaled down")
+        with pytest.raises(GatewayError, match="no engine pod") as refused:
+            await _drain(_generate(pool, [a]))
+        assert refused.value.code == "no_engine_pod"
+        await pool.close()
+
+    _run(scenario())
+
+
+def test_a_request_a_pod_ran_is_not_routed_again(fake_pods):
+    """A pod that took the request and went silent may have spent time on
+    it: the retries' budget decides, not a new plan."""
+    async def scenario():
+        pool, a, b = await _fake_pool(load_timeout_s=5.0, stream_idle_timeout_s=0.2)
+        a.stub.generate_silent_after = 0
+
+        async def replan() -> list[Pod]:
+            raise AssertionError("routed again")
+
+        with pytest.raises(GatewayError, match="no response from the engine pod"):
+            await _drain(stream_choice(pool, [a], epb.GenerateRequest(request_id="r"), [], lambda pod, i: None,
+                                       replan))
         await pool.close()
 
     _run(scenario())

@@ -16,6 +16,7 @@ from gateway.config import (
     gateway_config_from_dict,
 )
 from gateway.pods import Pod, PodPool
+from gateway.pods.pod import sanitized
 from gateway.router import PodLoad, Router, score_pod, tie_break
 from tessera.v1 import engine_pb2 as epb
 
@@ -116,6 +117,31 @@ def test_score_policy_without_prefix_prefers_the_least_loaded_pod():
         return [s.pod.address for s in ranked]
 
     assert asyncio.run(run()) == ["b:1", "a:1"]
+
+
+def test_a_pod_reporting_less_than_idle_does_not_draw_every_request():
+    """A faulty or hostile pod's negative counts and KV usage are clamped on
+    arrival: it ties with an honest idle pod, and the tie-break spreads
+    prompts over both (unclamped, it won every one)."""
+    async def run() -> set[str]:
+        config = RouterConfig()
+        pool = _serving_pool(config, ["honest:1", "liar:1"])
+        pool.pods["liar:1"].on_report(epb.LoadReport(
+            role="mixed", serving=True, num_running=-1000, num_waiting=-50, kv_cache_usage=-5.0,
+            num_pending_prefill_tokens=-10**12))
+        router = Router(pool, config, AdmissionConfig(), block_size=16)
+        firsts = {(await router.rank("mixed", [], 8, bytes([k]) * 8))[0].pod.address for k in range(32)}
+        await pool.close()
+        return firsts
+
+    assert asyncio.run(run()) == {"honest:1", "liar:1"}
+
+
+@pytest.mark.parametrize("usage, clamped", [(float("nan"), 1.0), (7.5, 1.0), (-0.5, 0.0), (0.25, 0.25)])
+def test_reported_kv_usage_is_clamped_to_a_share(usage, clamped):
+    report = sanitized(epb.LoadReport(kv_cache_usage=usage, num_running=3, matched_prefix_blocks=-2))
+    assert report.kv_cache_usage == clamped
+    assert (report.num_running, report.matched_prefix_blocks) == (3, 0)
 
 
 def test_policy_is_validated_and_defaults_to_score():

@@ -22,7 +22,7 @@ from tessera.text import load_eos_token_ids
 from tessera.v1 import inference_pb2 as pb
 from tessera.v1 import inference_pb2_grpc as pb_grpc
 from tessera_operator.autoscale import PoolObservation, ScalerState, ScalingPolicy, decide
-from tessera_operator.signals import parse_gateway_queued
+from tessera_operator.signals import gateway_demand, parse_gateway_queued
 from tests.gateway.conftest import KEYS, MODEL_NAME, gateway_config, write_tenants
 
 PROFILE = "engine_pod/sim/profiles/bench-cpu.json"
@@ -148,3 +148,36 @@ def test_a_request_admitted_as_the_last_pod_left_waits_for_the_next(tiny_llama):
 
     plan, waited = asyncio.run(run())
     assert [p.address for p in plan.candidates] == ["127.0.0.1:2"] and 0.25 < waited < 2.0
+
+
+def test_prompts_a_decode_pod_prefilled_for_want_of_a_prefill_pod_lift_the_prefill_pool(tiny_llama, tmp_path):
+    """A prefill pool at zero beside serving decode pods: nothing queues, the decode pod prefills
+    every prompt itself. The gateway counts the prompts that P/D would have sent to a prefill pod
+    (tessera:gateway_prefills_unplaced), and the operator lifts the prefill pool on that count's rise."""
+    long_prompt, short_prompt = list(range(100, 180)), list(range(100, 120))
+    with SimulatedPodsProcess(tiny_llama, PROFILE, 1, ["--max-model-len", "256", "--num-gpu-blocks", "64",
+                                                       "--role", "decode"], log_path=tmp_path / "pod.log") as pod:
+        pod.wait_serving()
+        config = gateway_config(tiny_llama, [(SimpleNamespace(address=pod.addresses[0]), "decode")],
+                                write_tenants(tmp_path / "tenants.yaml"), disaggregation={"min_uncached_tokens": 48})
+        with GatewayProcess(config, tmp_path, log_path=tmp_path / "gateway.log") as gw:
+            gw.wait_ready(num_pods=1)
+            _, counters = gateway_demand({"gw": httpx.get(gw.metrics_url).text}, {})
+            assert counters == {"gw": 0.0}
+
+            async def send(prompt):
+                async with grpc.aio.insecure_channel(gw.grpc_address) as channel:
+                    params = pb.GenerationParams(max_tokens=2, temperature=0, ignore_eos=True)
+                    request = pb.CompletionRequest(model=MODEL_NAME, prompt_token_ids=prompt, params=params)
+                    return [c async for c in pb_grpc.InferenceStub(channel).Complete(request, metadata=AUTH,
+                                                                                     timeout=60)]
+
+            assert asyncio.run(send(long_prompt)) and asyncio.run(send(short_prompt))  # both served
+            demand, _ = gateway_demand({"gw": httpx.get(gw.metrics_url).text}, counters)
+    assert (demand.queued, demand.prefills_unplaced) == (0, 1)  # the long prompt only
+    policy = ScalingPolicy(signal="concurrency", target=1, min_replicas=0, max_replicas=3)
+    at_zero = PoolObservation(replicas=0, ready=0, pending=0, signal=None, busy=False,
+                              prefills_unplaced=demand.prefills_unplaced)
+    decision = decide(policy, at_zero, ScalerState(), now=0.0)
+    assert (decision.reason, decision.replicas) == ("ScaleFromZero", 1)
+    assert "for want of a prefill pod" in decision.message

@@ -8,6 +8,7 @@ states its bound on replica changes, so flapping fails it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -207,6 +208,15 @@ def test_queued_demand_lifts_a_pool_from_zero():
     assert history[5] == 1 and pool.reasons[5] == "ScaleFromZero"
     assert history[-1] == 0, "idle again: back to zero after the window"
     assert reversals(history) == 1
+
+
+def test_prompts_prefilled_for_want_of_a_prefill_pod_lift_the_prefill_pool_from_zero():
+    p = policy(min_replicas=0, max_replicas=3)
+    at_zero = PoolObservation(replicas=0, ready=0, pending=0, signal=None, busy=False)
+    assert decide(p, at_zero, ScalerState(), 0.0).reason == "ScaledToZero"
+    lifted = decide(p, dataclasses.replace(at_zero, prefills_unplaced=2), ScalerState(), 0.0)
+    assert (lifted.reason, lifted.replicas) == ("ScaleFromZero", 1)
+    assert lifted.message == "2 prompt(s) prefilled on decode pods for want of a prefill pod"
 
 
 def test_scale_from_zero_respects_min_and_max():

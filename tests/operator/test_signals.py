@@ -9,7 +9,14 @@ from engine_pod.core.stats import SchedulerStats
 from engine_pod.server.in_flight import InFlightSeconds
 from engine_pod.server.metrics import EngineMetrics, InFlightCollector
 from gateway.metrics import GatewayMetrics
-from tessera_operator.signals import PodSample, parse_gateway_queued, parse_pod_metrics, pool_signals
+from tessera_operator.signals import (
+    PodSample,
+    counter_increase,
+    gateway_demand,
+    parse_gateway_queued,
+    parse_pod_metrics,
+    pool_signals,
+)
 
 
 def engine_text(metrics: EngineMetrics) -> str:
@@ -110,3 +117,21 @@ def test_gateway_queue_sums_priority_classes():
     g.queue_length.labels("batch").set(2)
     assert parse_gateway_queued(generate_latest(g.registry).decode()) == 5
     assert parse_gateway_queued("") == 0
+
+
+def test_unplaced_prefills_are_the_rise_of_each_gateways_counter():
+    a, b = GatewayMetrics(), GatewayMetrics()
+    a.prefills_unplaced.inc(3)
+    a.queue_length.labels("standard").set(2)
+
+    def texts() -> dict[str, str]:
+        return {"a": generate_latest(a.registry).decode(), "b": generate_latest(b.registry).decode(), "old": ""}
+
+    demand, counters = gateway_demand(texts(), {})
+    assert (demand.queued, demand.prefills_unplaced) == (2, 0), "a first scrape says nothing of this interval"
+    assert counters == {"a": 3.0, "b": 0.0}, "a gateway without the counter is left out"
+    a.prefills_unplaced.inc(2)
+    b.prefills_unplaced.inc(1)
+    demand, counters = gateway_demand(texts(), counters)
+    assert demand.prefills_unplaced == 3
+    assert counter_increase({"a": 1.0, "b": 1.0}, counters) == 1, "a restarted (5 -> 1): its count since"

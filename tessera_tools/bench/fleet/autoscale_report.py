@@ -25,9 +25,7 @@ MIXED_NOTE = ("one mixed pool: every pod prefills and decodes; --disaggregated r
 # What a disaggregated run does not show (docs/fleet-bench.md).
 DISAGGREGATED_LIMITS = (
     "the gateways' admission queue is not split by pool: requests they hold count for both pools' concurrency "
-    "and lift either pool from zero, as in the operator (observe.gateway_queued)",
-    "a prefill pool at zero is lifted only by requests queued at the gateways, which queue only while no decode "
-    "pod is listed: meanwhile the decode pods compute the prompts themselves",
+    "and lift either pool from zero, as in the operator (observe.gateway_demand)",
     "the trace is sized for the static fleet's pools by capacity.py's P/D split of a request's cost, which "
     "charges no KV transfer",
     "pd.kv_store sums the counters of the pods still running at the trace's end; pods removed earlier took "
@@ -54,7 +52,7 @@ def pool_record(pool: ElasticPool, autoscaler: Autoscaler | None, t0: float, t1:
         "pods_started": len(pool.pods),
         "peak_ready": max([t["ready"] for t in ticks], default=len(pool.in_state("ready"))),
         "timeline": [{k: t[k] for k in ("t", "asked", "ready", "starting", "terminating", "reason", "signal",
-                                         "gateway_queued")} for t in ticks],
+                                         "gateway_queued", "prefills_unplaced")} for t in ticks],
         "decisions": [{k: t[k] for k in ("t", "previous", "asked", "reason", "message")} for t in ticks
                       if t["asked"] != t["previous"]],
         "pod_events": _relative(pool.events, t0),

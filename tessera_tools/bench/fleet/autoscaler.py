@@ -7,15 +7,16 @@ The observation is built as observe_pool builds it: the ready pods'
 /metrics through `parse_pod_metrics`, the signal from `pool_signals` with
 the previous tick's samples (latency signals are interval means), ready and
 pending (starting) counts, `busy`, and the requests the gateways hold in
-their admission queues (`parse_gateway_queued`, summed over replicas: the
-only signal at zero pods, and passed to `pool_signals` as part of the
-`concurrency` signal). A pod or gateway that does not answer a scrape is
+their admission queues (summed over replicas: the only signal at zero pods,
+and passed to `pool_signals` as part of the `concurrency` signal), and, for a
+prefill pool, the prompts they had decode pods prefill since the last tick
+for want of a prefill pod (`gateway_demand`). A pod or gateway that does not answer a scrape is
 left out, as the operator leaves it out.
 
 A fleet of several pools (prefill and decode) has an Autoscaler per pool,
 each with its own policy and signal; the ControlLoop scrapes the gateways
-once per tick and hands the count to each, as the operator's tick does
-(handlers._autoscale: gateway_queued once, then observe_pool per pool).
+once per tick and hands the demand to each, as the operator's tick does
+(handlers._autoscale: gateway_demand once, then observe_pool per pool).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from tessera_operator.autoscale import Decision, PoolObservation, ScalerState, ScalingPolicy, decide
-from tessera_operator.signals import PodSample, parse_gateway_queued, parse_pod_metrics, pool_signals
+from tessera_operator.signals import GatewayDemand, PodSample, gateway_demand, parse_pod_metrics, pool_signals
 from tessera_tools.bench.fleet.elastic_pool import ElasticPool
 
 SCRAPE_THREADS = 16
@@ -45,10 +46,11 @@ def _scrape_all(fetch: Callable[[str], str], urls: dict[str, str],
         return {name: got for name, got in pool.map(one, urls.items()) if got is not None}
 
 
-def scrape_gateway_queued(fetch: Callable[[str], str], urls: list[str], clock: Callable[[], float]) -> int:
-    """Requests the gateways hold in their admission queues, summed over the replicas that answered."""
-    gateways = _scrape_all(fetch, dict(enumerate(urls)), clock)
-    return sum(parse_gateway_queued(text) for text, _ in gateways.values())
+def scrape_gateway_demand(fetch: Callable[[str], str], urls: list[str], clock: Callable[[], float],
+                          previous: dict[str, float]) -> tuple[GatewayDemand, dict[str, float]]:
+    """The demand of the gateways that answered (signals.gateway_demand), and their counters now."""
+    gateways = _scrape_all(fetch, {url: url for url in urls}, clock)
+    return gateway_demand({url: text for url, (text, _) in gateways.items()}, previous)
 
 
 class Autoscaler:
@@ -64,33 +66,40 @@ class Autoscaler:
         """What the Deployment asks for (PoolObservation.replicas)."""
         self.state = ScalerState()
         self.memory: dict[str, PodSample] = {}
+        self.gateway_counters: dict[str, float] = {}
+        """The gateways' counters at this autoscaler's last scrape of them (gateway_demand)."""
         self.ticks: list[dict] = []
         """Per tick: the observation, the decision, the pool's counts."""
 
-    def gateway_queued(self) -> int:
-        return scrape_gateway_queued(self.fetch, self.gateway_metrics_urls, self.clock)
+    def gateway_demand(self) -> GatewayDemand:
+        demand, self.gateway_counters = scrape_gateway_demand(self.fetch, self.gateway_metrics_urls, self.clock,
+                                                              self.gateway_counters)
+        return demand
 
-    def observe(self, queued: int | None = None) -> PoolObservation:
-        """`queued`: this tick's scrape of the gateways; None: scrape them now (first, as the operator's
+    def observe(self, demand: GatewayDemand | None = None) -> PoolObservation:
+        """`demand`: this tick's scrape of the gateways; None: scrape them now (first, as the operator's
         tick scrapes them before the pools)."""
-        if queued is None:
-            queued = self.gateway_queued()
+        if demand is None:
+            demand = self.gateway_demand()
         ready = self.pool.in_state("ready")
         texts = _scrape_all(self.fetch, {p.handle.address: p.handle.metrics_url for p in ready}, self.clock)
         samples = {name: parse_pod_metrics(text, scraped_at=at) for name, (text, at) in texts.items()}
-        signals = pool_signals(samples, self.memory, gateway_queued=queued)
+        signals = pool_signals(samples, self.memory, gateway_queued=demand.queued)
         self.memory = samples
+        unplaced = demand.prefills_unplaced if self.pool.role == "prefill" else 0
         return PoolObservation(replicas=self.replicas, ready=len(ready), pending=len(self.pool.in_state("starting")),
-                               signal=signals.value(self.policy.signal), busy=signals.busy, gateway_queued=queued)
+                               signal=signals.value(self.policy.signal), busy=signals.busy,
+                               gateway_queued=demand.queued, prefills_unplaced=unplaced)
 
-    def tick(self, now: float, queued: int | None = None) -> Decision:
-        obs = self.observe(queued)
+    def tick(self, now: float, demand: GatewayDemand | None = None) -> Decision:
+        obs = self.observe(demand)
         decision = decide(self.policy, obs, self.state, now)
         self.replicas = decision.replicas
         self.pool.scale_to(decision.replicas, now)
         self.ticks.append({"t": now, "asked": decision.replicas, "previous": decision.previous,
                            "reason": decision.reason, "message": decision.message, "signal": obs.signal,
-                           "busy": obs.busy, "gateway_queued": obs.gateway_queued, **self.pool.counts()})
+                           "busy": obs.busy, "gateway_queued": obs.gateway_queued,
+                           "prefills_unplaced": obs.prefills_unplaced, **self.pool.counts()})
         return decision
 
 
@@ -125,9 +134,9 @@ class ControlLoop(threading.Thread):
             self.error = e
 
     def _tick(self, now: float) -> None:
-        queued = self.autoscalers[0].gateway_queued()  # every pool's autoscaler reads the same gateways
+        demand = self.autoscalers[0].gateway_demand()  # every pool's autoscaler reads the same gateways
         for autoscaler in self.autoscalers:
-            autoscaler.tick(now, queued)
+            autoscaler.tick(now, demand)
 
     def stop(self) -> None:
         """Also safe on a loop never started (its run failed before the trace)."""

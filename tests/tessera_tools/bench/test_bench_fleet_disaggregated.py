@@ -234,6 +234,6 @@ def test_disaggregated_autoscale_end_to_end(tiny_llama, fast_profile, tmp_path):
     c = report["comparison"]
     assert c["static_pod_minutes"] == pytest.approx(4 * static["window_s"] / 60, rel=0.01)
     assert set(c["pools"]) == {"prefill", "decode"} and 0 < c["pod_minutes_ratio"] < 1
-    assert any("prefill pool at zero" in note for note in report["limits"])
+    assert any("not split by pool" in note for note in report["limits"])
     assert (tmp_path / "plots" / "autoscale_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _still_running_under(tmp_path) == []  # pods, gateways and the redis-server all stopped
