@@ -186,6 +186,10 @@ class RouterConfig:
     # loaded pods holding the prompt's longest cached prefix (found in the
     # pushed index without a pass over the fleet), wherever the ring placed it.
     holder_candidates: int = 2
+    # prefix_match "pushed": the most block keys believed of one pod, whatever
+    # KV pool its reports claim (each costs the gateway about 140 bytes). The
+    # default, 1M blocks of 16 tokens, is 16M cached tokens: past any one pod.
+    max_pushed_blocks_per_pod: int = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -267,6 +271,7 @@ class GatewayConfig:
                f"router.prefix_match: {self.router.prefix_match!r} is not one of {PREFIX_MATCH_SOURCES}")
         _check(0 <= self.router.holder_candidates <= MAX_AFFINITY_CANDIDATES,
                f"router.holder_candidates must be in [0, {MAX_AFFINITY_CANDIDATES}]")
+        _check(self.router.max_pushed_blocks_per_pod >= 1, "router.max_pushed_blocks_per_pod must be >= 1")
         _check(self.router.affinity_candidates + self.router.load_candidates >= 1,
                "router.affinity_candidates + router.load_candidates must be >= 1")
         _check(self.disaggregation.min_uncached_tokens >= 0, "disaggregation.min_uncached_tokens must be >= 0")

@@ -43,7 +43,7 @@ class PodPool:
         self.pods: dict[str, Pod] = {}
         self._watchers: dict[str, asyncio.Task] = {}
         # The pods' pushed prefix caches (router.prefix_match "pushed"; empty otherwise).
-        self.prefix_index = PrefixIndex()
+        self.prefix_index = PrefixIndex(max_keys_per_pod=router_config.max_pushed_blocks_per_pod)
         self._pushed_keys = router_config.prefix_match == "pushed"
 
     # -- membership ------------------------------------------------------

@@ -21,7 +21,7 @@ passes (the request failed, or its blocks were evicted before a push saw
 them): the pushed twin of the load's dispatched_since_report.
 
 What a pod pushes is believed only up to its size: a pod cannot hold more
-blocks than its KV pool (`num_kv_blocks`, at most MAX_KEYS_PER_POD); keys
+blocks than its KV pool (`num_kv_blocks`, at most `max_keys_per_pod`); keys
 beyond that are dropped, so a faulty pod cannot grow the gateway's memory
 without bound. A wrong key can only mislead a routing choice: the pod
 matches a request's blocks by their full hashes.
@@ -38,9 +38,6 @@ from tessera.v1 import engine_pb2 as epb
 
 logger = logging.getLogger(__name__)
 
-# The most keys believed of one pod, whatever its report says: 4M blocks of
-# 16 tokens is 64M cached tokens, past any one pod's KV pool.
-MAX_KEYS_PER_POD = 1 << 22
 # The most holders of one key looked at per request: a key every pod holds
 # (a system prompt) must not cost a pass over the fleet.
 MAX_HOLDERS_SCANNED = 32
@@ -53,9 +50,11 @@ PENDING_TTL_S = 10.0
 class PrefixIndex:
     """Block key -> the pods holding it, from the pods' pushed reports."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, max_keys_per_pod: int = 1 << 20) -> None:
         # Times the pending keys (note_routed); tests pass their own.
         self._clock = clock
+        # The most keys believed of one pod, whatever its report says (router.max_pushed_blocks_per_pod).
+        self.max_keys_per_pod = max_keys_per_pod
         self._holders: dict[int, int] = {}
         self._keys: dict[str, set[int]] = {}
         self._slot: dict[str, int] = {}
@@ -113,7 +112,7 @@ class PrefixIndex:
                 keys.discard(key)
                 pending.pop(key, None)
                 self._drop_holder(key, bit)
-        limit = min(num_kv_blocks, MAX_KEYS_PER_POD) if num_kv_blocks > 0 else MAX_KEYS_PER_POD
+        limit = min(num_kv_blocks, self.max_keys_per_pod) if num_kv_blocks > 0 else self.max_keys_per_pod
         holders = self._holders
         for key in update.stored:
             if key in keys:
@@ -140,7 +139,7 @@ class PrefixIndex:
                     pending[key] = expiry
                     self._pending_order.append((expiry, address, key))
                 continue
-            if len(keys) >= MAX_KEYS_PER_POD:
+            if len(keys) >= self.max_keys_per_pod:
                 break
             keys.add(key)
             self._holders[key] = self._holders.get(key, 0) | bit

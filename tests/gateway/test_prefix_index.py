@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+from gateway.config import gateway_config_from_dict
+from gateway.pods import PodPool
 from gateway.pods.prefix_index import MAX_HOLDERS_SCANNED, PENDING_TTL_S, PrefixIndex
 from kv_store.block_hash import block_key, hash_request_tokens
 from tessera.v1 import engine_pb2 as epb
@@ -86,6 +88,17 @@ def test_a_pod_cannot_push_more_keys_than_its_kv_pool(caplog):
         push(index, "a:1", stored=keys_of(5, 100), num_kv_blocks=10)
     assert index.num_keys() == 10
     assert sum("more prefix-cache keys than its 10 KV blocks" in r.message for r in caplog.records) == 1
+
+
+def test_a_pod_claiming_a_huge_kv_pool_is_believed_up_to_the_configured_cap():
+    index = PrefixIndex(max_keys_per_pod=8)
+    index.add("a:1")
+    push(index, "a:1", stored=keys_of(4, 100), num_kv_blocks=2**31 - 1)
+    index.note_routed("a:1", keys_of(5, 100))
+    assert index.num_keys() == 8
+    config = gateway_config_from_dict({"model": {"name": "m", "path": "/m"}, "pods": {"static": [{"address": "a:1"}]},
+                                       "router": {"max_pushed_blocks_per_pod": 8}})
+    assert PodPool(config.router, config.admission).prefix_index.max_keys_per_pod == 8
 
 
 def test_holders_of_a_key_every_pod_holds_are_capped():

@@ -104,6 +104,7 @@ def test_pushed_score_ranks_as_the_queries_do():
     ({"prefix_match": "gossip"}, "router.prefix_match: 'gossip' is not one of"),
     ({"holder_candidates": -1}, "router.holder_candidates must be in [0, 16]"),
     ({"holder_candidates": 17}, "router.holder_candidates must be in [0, 16]"),
+    ({"max_pushed_blocks_per_pod": 0}, "router.max_pushed_blocks_per_pod must be >= 1"),
 ])
 def test_pushed_knobs_are_validated(router, message):
     with pytest.raises(GatewayConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
