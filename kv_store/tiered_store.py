@@ -1,9 +1,11 @@
 """The tiered store: the host tier in front of the (optional) Redis tier.
 
-``put`` lands in the host tier at once and reaches Redis through a bounded
-write-behind queue (full queue: the write is dropped and counted, never
-waited for). Values bound for Redis are signed (the codec's MAC) on the
-write-behind thread, off the engine step; a synchronous put signs inline.
+``put`` (``put_many`` for a step's blocks) lands in the host tier at once and
+reaches Redis through a bounded write-behind queue (full queue: the write is
+dropped and counted, never waited for). Values bound for Redis are signed
+(the codec's MAC) on the write-behind thread, off the engine step; a
+synchronous put signs inline, and a step's synchronous blocks share one
+pipeline round trip.
 ``get_blocks`` returns the leading run of valid blocks: host first, then one
 Redis round trip for the rest; Redis values must pass the MAC, host values
 (this process's own memory) need not; Redis hits are promoted to the host
@@ -154,22 +156,31 @@ class TieredKVStore:
     # -- writes -----------------------------------------------------------
     def put(self, block_hash: bytes, payload: Payload, sync_remote: bool = False) -> None:
         """Store a block's payload: host tier now, Redis behind (or now, with sync_remote)."""
-        value = self.codec.encode(block_hash, payload)
-        if self.host.put(block_hash, value):
-            with self._stats_lock:
-                self.stats.bytes_written_host += len(value)
-        if self.remote is None:
-            return
-        if sync_remote:
-            if self.remote.put_many([(block_hash, self.codec.sign(value))]):
+        self.put_many([(block_hash, payload, sync_remote)])
+
+    def put_many(self, blocks: list[tuple[bytes, Payload, bool]]) -> None:
+        """Store blocks, each (hash, payload, sync_remote): host tier now; Redis behind, or, for the
+        sync_remote ones (a prefill pod's output, which a decode pod reads next), now, all of them
+        in one pipeline round trip (a step's saves wait for one trip, not one per block)."""
+        now: list[tuple[bytes, bytes]] = []
+        for block_hash, payload, sync_remote in blocks:
+            value = self.codec.encode(block_hash, payload)
+            if self.host.put(block_hash, value):
                 with self._stats_lock:
-                    self.stats.bytes_written_redis += len(value)
-            return
-        try:
-            self._writes.put_nowait((block_hash, value))
-        except queue.Full:
+                    self.stats.bytes_written_host += len(value)
+            if self.remote is None:
+                continue
+            if sync_remote:
+                now.append((block_hash, self.codec.sign(value)))
+                continue
+            try:
+                self._writes.put_nowait((block_hash, value))
+            except queue.Full:
+                with self._stats_lock:
+                    self.stats.writes_dropped += 1
+        if now and self.remote is not None and self.remote.put_many(now):
             with self._stats_lock:
-                self.stats.writes_dropped += 1
+                self.stats.bytes_written_redis += sum(len(v) for _, v in now)
 
     def _write_behind(self, remote: RedisTier) -> None:
         while True:

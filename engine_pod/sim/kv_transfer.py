@@ -36,5 +36,5 @@ class SimulatedKVTransfer:
         for _, block_hash in meta.offloads:
             value = self.store.codec.encode(block_hash, filler_payload(block_hash, self._payload_bytes))
             self.store.host.put(block_hash, value)
-        for _, block_hash, sync in meta.saves:
-            self.store.put(block_hash, filler_payload(block_hash, self._payload_bytes), sync_remote=sync)
+        self.store.put_many([(block_hash, filler_payload(block_hash, self._payload_bytes), sync)
+                             for _, block_hash, sync in meta.saves])

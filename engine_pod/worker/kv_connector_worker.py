@@ -43,5 +43,5 @@ class KVConnectorWorker:
         if not meta.saves:
             return
         blocks = self._read_blocks([block_id for block_id, _, _ in meta.saves])
-        for (_, block_hash, sync), block in zip(meta.saves, blocks):
-            self.store.put(block_hash, block_payload(self.layout, block), sync_remote=sync)
+        self.store.put_many([(block_hash, block_payload(self.layout, block), sync)
+                             for (_, block_hash, sync), block in zip(meta.saves, blocks)])

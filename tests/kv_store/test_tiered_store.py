@@ -39,6 +39,23 @@ def test_only_values_bound_for_redis_are_signed(redis_server):
     store.close()
 
 
+def test_a_steps_sync_saves_reach_redis_in_one_round_trip(redis_server):
+    """A prefill pod's saves of one step: the sync ones in one pipeline (not one per block), readable
+    by another pod as soon as put_many returns; the others behind, as put does."""
+    store = _store(redis_server.url)
+    trips = []
+    put_many = store.remote.put_many
+    store.remote.put_many = lambda items: trips.append(len(items)) or put_many(items)
+    store.put_many([(block_hash(i), make_payload(i), i < 4) for i in range(6)])
+    assert 4 in trips  # done before put_many returned
+    other = _store(redis_server.url)
+    assert other.get_blocks([block_hash(i) for i in range(4)]) == [make_payload(i) for i in range(4)]
+    assert store.flush() and trips.count(4) == 1 and sum(trips) == 6 and store.stats.bytes_written_redis > 0
+    assert all(store.host.get(block_hash(i)) for i in range(6))
+    store.close()
+    other.close()
+
+
 def test_put_reaches_both_tiers_and_get_promotes(redis_server):
     store = _store(redis_server.url)
     blocks = [make_payload(i) for i in range(3)]
