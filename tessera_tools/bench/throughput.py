@@ -1,4 +1,5 @@
-"""``tessera bench throughput``: offline throughput of Tessera vs HF static batching."""
+"""``tessera bench throughput``: offline throughput of Tessera vs HF static batching, or vs
+vLLM's CPU build (``--peer vllm``, peer_throughput.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ class EngineRunResult:
 
 
 def run_engine(llm: LLM, requests: list[BenchRequest]) -> EngineRunResult:
+    return generate_greedy(llm, requests)[0]
+
+
+def generate_greedy(llm: LLM, requests: list[BenchRequest]) -> tuple[EngineRunResult, list[list[int]]]:
+    """One timed `generate` of the requests (greedy, ignore_eos: every output its exact length),
+    with each request's output token ids."""
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     executor = llm.engine_core.executor
@@ -42,10 +49,21 @@ def run_engine(llm: LLM, requests: list[BenchRequest]) -> EngineRunResult:
     expected = sum(r.output_len for r in requests)
     if useful != expected:
         raise RuntimeError(f"engine produced {useful} tokens, expected {expected}")
-    return EngineRunResult(
+    result = EngineRunResult(
         seconds, useful, executor.forward_seconds - forward_before,
         llm.stats.steps - steps_before, llm.stats.num_preemptions - preempt_before,
     )
+    return result, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _workload_record(requests: list[BenchRequest]) -> dict:
+    return {
+        "num_requests": len(requests),
+        "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+        "output_tokens": sum(r.output_len for r in requests),
+        "max_prompt_len": max(len(r.prompt_token_ids) for r in requests),
+        "max_output_len": max(r.output_len for r in requests),
+    }
 
 
 def _warm_up(llm: LLM) -> None:
@@ -62,15 +80,16 @@ def main(args: argparse.Namespace) -> int:
     tokenizer = llm.get_tokenizer()
     requests = sharegpt_like(tokenizer, args.num_requests, args.max_prompt_len, args.max_output_len, args.seed)
     _warm_up(llm)
+    if args.peer == "vllm":
+        from tessera_tools.bench.peer_throughput import run_against_vllm
+
+        report = {"workload": _workload_record(requests), "dtype": str(llm.config.model.dtype),
+                  **run_against_vllm(args, llm, requests, generate_greedy)}
+        write_report(report, args.output)
+        return 0
     engine = run_engine(llm, requests)
     report = {
-        "workload": {
-            "num_requests": len(requests),
-            "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
-            "output_tokens": engine.useful_tokens,
-            "max_prompt_len": max(len(r.prompt_token_ids) for r in requests),
-            "max_output_len": max(r.output_len for r in requests),
-        },
+        "workload": _workload_record(requests),
         "tessera": {**asdict(engine), "tokens_per_second": engine.tokens_per_second,
                     "share_outside_forward": engine.share_outside_forward},
     }
@@ -99,7 +118,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_parser(kinds) -> None:
-    p = kinds.add_parser("throughput", help="offline throughput: Tessera vs HF static batching")
+    p = kinds.add_parser("throughput", help="offline throughput: Tessera vs HF static batching, or vs vLLM")
     add_common_args(p)
     p.add_argument("--num-requests", type=positive_int, default=128)
     p.add_argument("--max-prompt-len", type=positive_int, default=512)
@@ -110,4 +129,13 @@ def add_parser(kinds) -> None:
     p.add_argument("--kv-cache-gib", type=positive_float, default=4.0)
     p.add_argument("--hf-batch-size", type=positive_int, default=32)
     p.add_argument("--skip-hf", action="store_true", help="run Tessera only")
+    peer = p.add_argument_group("peer (docs/benchmarks.md)")
+    peer.add_argument("--peer", choices=("vllm",), default=None,
+                      help="instead of HF: vLLM's CPU build (make vllm-venv) on the same requests and settings")
+    peer.add_argument("--rounds", type=positive_int, default=3, help="alternated rounds of each side")
+    peer.add_argument("--parity-requests", type=positive_int, default=20,
+                      help="greedy outputs compared with the peer's on this many first requests")
+    peer.add_argument("--peer-cpus", default="0-1",
+                      help="the cores of vLLM's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)")
+    peer.add_argument("--peer-log", default=None, help="append vLLM's own output to this file")
     p.set_defaults(bench_func=main)

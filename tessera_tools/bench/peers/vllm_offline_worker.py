@@ -1,0 +1,64 @@
+"""vLLM's offline engine as a benchmark peer: run by the Python of vLLM's own virtual
+environment (`make vllm-venv`), never imported by Tessera; stdlib and vllm only.
+
+The parent (tessera_tools/bench/peers/vllm_peer.py) speaks JSON lines with it. The first line on
+stdin is the engine's settings; the worker builds `vllm.LLM`, warms it up and answers
+{"ready": ...}. Each later line is {"requests": [[prompt token ids, output length], ...]}:
+the worker generates them greedily (ignore_eos, every output its exact length), timing
+`generate` alone, and answers {"seconds": s, "token_ids": [...]}. An empty line or end of
+input stops it. Its answers go to the stdout it was given; everything else it or vLLM prints
+goes to stderr, so a log line can never be taken for an answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _answer_channel():
+    """The protocol's stream: the original stdout; fd 1 from here on is stderr."""
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return channel
+
+
+def _generate(llm, params_type, prompt_type, requests) -> tuple[float, list[list[int]]]:
+    prompts = [prompt_type(prompt_token_ids=ids) for ids, _ in requests]
+    params = [params_type(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return seconds, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def main() -> int:
+    # Run as a script, its folder leads sys.path: no module beside it may stand in for vllm's.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    channel = _answer_channel()
+    settings = json.loads(sys.stdin.readline())
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=settings["model"], dtype=settings["dtype"], max_num_seqs=settings["max_num_seqs"],
+              max_num_batched_tokens=settings["max_num_batched_tokens"],
+              enable_prefix_caching=settings["enable_prefix_caching"], seed=settings["seed"],
+              max_model_len=settings.get("max_model_len"))
+    _generate(llm, SamplingParams, TokensPrompt, [([5] * 64, 4)] * 4)  # warm-up, as Tessera's side does
+    channel.write(json.dumps({"ready": True, "version": vllm.__version__}) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        requests = json.loads(line)["requests"]
+        seconds, token_ids = _generate(llm, SamplingParams, TokensPrompt, requests)
+        channel.write(json.dumps({"seconds": seconds, "token_ids": token_ids}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""`tessera bench throughput --peer vllm` without vLLM: the worker and its parent over their
+JSON-lines protocol against a stand-in `vllm` package (the worker's only import), in a real
+child process; the figures and the parity check as pure functions. The real vLLM runs only
+in the benchmark (`make vllm-venv`): what these cannot show is that vLLM's own API still
+takes these arguments."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tessera_tools.bench.peer_throughput import comparison, parity
+from tessera_tools.bench.peers.vllm_peer import VLLMPeer, VLLMSettings
+from tessera_tools.bench.workload import BenchRequest
+
+# A library every Linux process already maps: harmless to preload in place of tcmalloc and libiomp5.
+HARMLESS_LIBRARY = Path("/lib/x86_64-linux-gnu/libm.so.6")
+
+FAKE_VLLM = '''
+import json, os, sys, time
+__version__ = "0.0-fake"
+
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, ignore_eos):
+        self.max_tokens = max_tokens
+
+class LLM:
+    def __init__(self, **settings):
+        print("a log line on stdout")  # must not be taken for an answer
+        with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
+            env = {k: os.environ.get(k) for k in ("LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE",
+                                                  "VLLM_CPU_OMP_THREADS_BIND")}
+            json.dump({"settings": settings, "env": env,
+                       "tessera_vars": sorted(k for k in os.environ if k.startswith("TESSERA_"))}, f)
+
+    def generate(self, prompts, params, use_tqdm):
+        print("another log line")
+        if params[0].max_tokens == 999:
+            time.sleep(60)
+        if params[0].max_tokens == 998:
+            sys.exit(3)
+        return [_Output(p["prompt_token_ids"], q.max_tokens) for p, q in zip(prompts, params)]
+
+class _Output:
+    def __init__(self, prompt, n):
+        self.outputs = [type("Completion", (), {"token_ids": [(sum(prompt) + i) % 97 for i in range(n)]})]
+'''
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """A virtual environment whose python sees the stand-in vllm package."""
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (site / "vllm" / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n"
+                                              "    return {'prompt_token_ids': prompt_token_ids}\n")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / "lib" / "libiomp5.so").symlink_to(HARMLESS_LIBRARY)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("FAKE_VLLM_RECORD", str(tmp_path / "record.json"))
+    monkeypatch.setenv("TESSERA_INTERNAL_SECRET", "not-for-the-peer-" + "x" * 32)
+    return venv, tmp_path / "record.json"
+
+
+def _settings(**overrides) -> VLLMSettings:
+    fields = {"model": "/models/bench", "dtype": "float32", "max_num_seqs": 256, "max_num_batched_tokens": 2048,
+              "enable_prefix_caching": False, "seed": 0, "max_model_len": 2048, "kv_cache_gib": 4, "cpus": "0-1"}
+    return VLLMSettings(**{**fields, **overrides})
+
+
+def test_the_peer_generates_the_requests_with_vllms_cpu_setup(fake_vllm, tmp_path):
+    venv, record = fake_vllm
+    requests = [BenchRequest([1, 2, 3], 4), BenchRequest([7] * 10, 2)]
+    with VLLMPeer(_settings(), log_path=tmp_path / "vllm.log", venv=venv, tcmalloc=HARMLESS_LIBRARY) as peer:
+        run = peer.generate(requests, timeout_s=30)
+        assert peer.version == "0.0-fake"
+    assert run.token_ids == [[6, 7, 8, 9], [70, 71]] and run.seconds >= 0
+    seen = json.loads(record.read_text())
+    assert seen["settings"] == {"model": "/models/bench", "dtype": "float32", "max_num_seqs": 256,
+                                "max_num_batched_tokens": 2048, "enable_prefix_caching": False, "seed": 0,
+                                "max_model_len": 2048}
+    assert seen["env"] == {"LD_PRELOAD": f"{HARMLESS_LIBRARY} {venv / 'lib' / 'libiomp5.so'}",
+                           "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert seen["tessera_vars"] == [], "no Tessera variable (the internal secret) reaches the peer"
+    assert "a log line on stdout" in (tmp_path / "vllm.log").read_text()
+
+
+def test_a_hung_or_dead_peer_ends_with_a_clear_error(fake_vllm):
+    venv, _ = fake_vllm
+    with VLLMPeer(_settings(), venv=venv, tcmalloc=HARMLESS_LIBRARY) as peer:
+        with pytest.raises(TimeoutError, match="no answer to generate within 1 s"):
+            peer.generate([BenchRequest([1], 999)], timeout_s=1)
+    with VLLMPeer(_settings(), venv=venv, tcmalloc=HARMLESS_LIBRARY) as peer:
+        with pytest.raises(RuntimeError, match="vLLM exited with 3 during generate"):
+            peer.generate([BenchRequest([1], 998)], timeout_s=30)
+
+
+def test_a_missing_environment_or_library_is_named(fake_vllm, tmp_path):
+    venv, _ = fake_vllm
+    with pytest.raises(FileNotFoundError, match="make vllm-venv"):
+        VLLMPeer(_settings(), venv=tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="apt-get install libtcmalloc-minimal4"):
+        VLLMPeer(_settings(), venv=venv, tcmalloc=tmp_path / "no-tcmalloc.so")
+    assert not any(p.name == "record.json" for p in tmp_path.iterdir()), "nothing was started"
+
+
+def test_parity_counts_exact_matches_and_where_the_others_diverge():
+    ours = [[1, 2, 3], [1, 2, 3], [1, 2], [4]]
+    theirs = [[1, 2, 3], [1, 9, 3], [1, 2, 5], [4]]
+    assert parity(ours, theirs) == {"requests": 4, "exact_matches": 2, "tokens_compared": 9,
+                                    "first_divergence": [None, 1, 2, None]}
+
+
+def test_the_figure_is_the_ratio_of_the_medians():
+    c = comparison([300.0, 100.0, 200.0], [100.0, 400.0, 160.0])
+    assert (c["tessera_median"], c["vllm_median"]) == (200.0, 160.0)
+    assert c["ratio_of_medians"] == pytest.approx(1.25)
+
+
+def test_the_command_alternates_rounds_and_reports_the_ratio_and_parity(fake_vllm, tiny_llama, tmp_path, monkeypatch):
+    """`tessera bench throughput --peer vllm` end to end on the tiny checkpoint, the stand-in peer in its
+    place: Tessera's side is the real engine."""
+    from tessera_tools.bench.peers import vllm_peer
+    from tessera_tools.cli import main
+
+    venv, record = fake_vllm
+    monkeypatch.setenv("TESSERA_VLLM_VENV", str(venv))
+    monkeypatch.setattr(vllm_peer, "TCMALLOC", HARMLESS_LIBRARY)
+    out = tmp_path / "report.json"
+    code = main(["bench", "throughput", "--model", str(tiny_llama), "--dtype", "float32", "--num-requests", "6",
+                 "--max-prompt-len", "40", "--max-output-len", "8", "--kv-cache-gib", "1", "--peer", "vllm",
+                 "--rounds", "2", "--parity-requests", "4", "--output", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    rounds = report["rounds"]
+    assert len(rounds["tessera_tokens_per_second"]) == len(rounds["vllm_tokens_per_second"]) == 2
+    assert rounds["ratio_of_medians"] == pytest.approx(rounds["tessera_median"] / rounds["vllm_median"])
+    assert report["parity"]["requests"] == 4 and report["peer"]["settings"]["dtype"] == "float32"
+    assert json.loads(record.read_text())["settings"]["model"] == str(tiny_llama)
