@@ -1,7 +1,13 @@
-"""Start and stop a private redis-server (tests, benchmarks, local runs)."""
+"""Start and stop a private redis-server (tests, benchmarks, local runs).
+
+Each server dies with the thread that started it (`setpriv --pdeathsig`, util-linux): a
+benchmark or test run that is killed leaves no redis-server behind holding its memory. A
+password goes in a configuration file only its owner can read, never in the command line,
+where every user of the machine could read it."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -12,6 +18,21 @@ import redis
 from tessera.child_process import free_port  # noqa: E402 - one home for free ports
 
 
+def _start(args: list[str]) -> subprocess.Popen[bytes]:
+    """redis-server, dying with this thread where util-linux's setpriv is at hand."""
+    setpriv = shutil.which("setpriv")
+    prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
+    return subprocess.Popen([*prefix, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _private_config(path: Path, text: str) -> Path:
+    """A file only this user can read (created so: never readable by others, even for a moment)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
 class RedisServer:
     def __init__(self, workdir: Path, port: int | None = None, password: str | None = None) -> None:
         binary = shutil.which("redis-server")
@@ -20,11 +41,12 @@ class RedisServer:
         self.port = port or free_port()
         auth = f":{password}@" if password else ""
         self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(workdir)]
+        args = [binary]
         if password:
-            args += ["--requirepass", password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            args.append(str(_private_config(workdir / f"redis-{self.port}.conf", f"requirepass {password}\n")))
+        args += ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", str(workdir)]
+        self.proc = _start(args)
         client = redis.Redis(port=self.port, password=password, socket_timeout=0.5)
         _wait_ping(client)
         self.client = client
@@ -43,14 +65,13 @@ class RedisClusterServers:
         if cli is None or binary is None:
             raise RuntimeError("redis-server and redis-cli must be installed")
         self.nodes: list[subprocess.Popen[bytes]] = []
-        ports = _cluster_ports(num_nodes)
+        self.ports = ports = _cluster_ports(num_nodes)
         for port in ports:
             node_dir = workdir / str(port)
             node_dir.mkdir(parents=True, exist_ok=True)
-            self.nodes.append(subprocess.Popen(
+            self.nodes.append(_start(
                 [binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
                  "--cluster-config-file", "nodes.conf", "--save", "", "--appendonly", "no", "--dir", str(node_dir)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             ))
         for port in ports:
             _wait_ping(redis.Redis(port=port, socket_timeout=0.5))

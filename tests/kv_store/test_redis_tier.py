@@ -59,7 +59,7 @@ def test_redis_tier_spreads_blocks_over_a_redis_cluster(tmp_path):
         # The keys landed on more than one node.
         import redis as redis_py
 
-        sizes = [redis_py.Redis(port=int(n.args[2])).dbsize() for n in cluster.nodes]
+        sizes = [redis_py.Redis(port=port).dbsize() for port in cluster.ports]
         assert sum(1 for s in sizes if s) > 1
     finally:
         cluster.stop()
