@@ -61,9 +61,9 @@ def die_with_parent() -> None:
 
 class ChildProcess:
     def __init__(self, args: list[str], env: dict | None = None, log_path: str | Path | None = None,
-                 cpus: frozenset[int] | None = None, nice: int = 0) -> None:
+                 cpus: frozenset[int] | None = None) -> None:
         """Runs `python -m tessera_tools.cli ARGS`, its output appended to `log_path`
-        (or nowhere), pinned to `cpus` when given, `nice` steps below normal priority. The child gets its own
+        (or nowhere), pinned to `cpus` when given. The child gets its own
         session (a terminal's Ctrl-C reaches only the parent, which stops
         children in order) and dies with the parent (`die_with_parent`)."""
         self._log = open(log_path, "a") if log_path else subprocess.DEVNULL
@@ -74,10 +74,6 @@ class ChildProcess:
             # Before the child starts its thread pools (model loading takes
             # seconds), so every thread it creates inherits the CPU set.
             os.sched_setaffinity(self.proc.pid, cpus)
-        if nice:
-            # Likewise before its threads start: Linux keeps a niceness per
-            # thread, and new threads inherit their creator's.
-            os.setpriority(os.PRIO_PROCESS, self.proc.pid, nice)
 
     def check_alive(self, what: str) -> None:
         if self.proc.poll() is not None:

@@ -65,10 +65,8 @@ class SimulatedPodsProcess(ChildProcess):
     pods in one process, on consecutive gRPC (and metrics) ports."""
 
     def __init__(self, model: str | Path, profile: str | Path, num_pods: int, extra_args: list[str] = (),
-                 env: dict | None = None, log_path: str | Path | None = None, grpc_port: int | None = None,
-                 nice: int = 0) -> None:
-        """``grpc_port``: the first pod's (a fleet that comes back at the same addresses); default free ports.
-        ``nice``: run this many steps below normal priority (ChildProcess)."""
+                 env: dict | None = None, log_path: str | Path | None = None, grpc_port: int | None = None) -> None:
+        """``grpc_port``: the first pod's (a fleet that comes back at the same addresses); default free ports."""
         if grpc_port is None:
             first = free_port_range(2 * num_pods)
             metrics = first + num_pods
@@ -80,7 +78,7 @@ class SimulatedPodsProcess(ChildProcess):
         self.log_path = Path(log_path) if log_path else None
         args = ["engine", "--model", str(model), "--simulate", str(profile), "--simulated-pods", str(num_pods),
                 "--host", "127.0.0.1", "--grpc-port", str(first), "--metrics-port", str(metrics)]
-        super().__init__([*args, *extra_args], env, log_path, nice=nice)
+        super().__init__([*args, *extra_args], env, log_path)
 
     def wait_serving(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

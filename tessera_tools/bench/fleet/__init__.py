@@ -112,9 +112,6 @@ def add_parser(kinds) -> None:
                        help="routing policies (fleet/policies.py)")
     fleet.add_argument("--kv-blocks", type=positive_int, default=512, help="each pod's KV pool in blocks")
     fleet.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    fleet.add_argument("--pods-nice", type=int, choices=range(20), default=0, metavar="0-19",
-                       help="niceness of the simulated pods' processes: above 0 the gateways and the client go "
-                            "first on the cores the pods share with them (docs/fleet-bench.md)")
 
     load = p.add_argument_group("load")
     load.add_argument("--workloads", default="shared-prefix,no-reuse", help="shared-prefix, no-reuse")

@@ -38,8 +38,7 @@ class SimulatedPod:
         args = ["--num-gpu-blocks", str(settings.kv_blocks), "--block-size", str(settings.block_size),
                 "--max-model-len", str(settings.max_model_len), "--drain-timeout", str(DRAIN_TIMEOUT_S),
                 *extra_args]
-        self.process = SimulatedPodsProcess(settings.model, settings.profile, 1, args, log_path=log_path,
-                                            nice=settings.pods_nice)
+        self.process = SimulatedPodsProcess(settings.model, settings.profile, 1, args, log_path=log_path)
         self.address = self.process.addresses[0]
         self.metrics_url = f"http://127.0.0.1:{self.process.metrics_ports[0]}/metrics"
 

@@ -45,11 +45,6 @@ class FleetSettings:
     """The context limit of pods and gateways (a pod's pool must hold one whole sequence)."""
     tenants_file: Path
     """The gateways' tenants file (one API key per tenant)."""
-    pods_nice: int = 0
-    """Niceness of the simulated pods' processes. On one machine they share the
-    gateways' and the client's cores, which a real fleet's pods do not: above 0
-    the kernel serves the gateways first, so their latency is their own and
-    not the co-located pods' (docs/fleet-bench.md)."""
 
 
 def process_sizes(num_pods: int, per_process: int) -> list[int]:
@@ -98,8 +93,7 @@ def _launch(settings: FleetSettings, size: int, log: Path, taken: set[int]) -> S
     args = ["--num-gpu-blocks", str(settings.kv_blocks), "--block-size", str(settings.block_size),
             "--max-model-len", str(settings.max_model_len), "--drain-timeout", "1"]
     while True:
-        process = SimulatedPodsProcess(settings.model, settings.profile, size, args, log_path=log,
-                                       nice=settings.pods_nice)
+        process = SimulatedPodsProcess(settings.model, settings.profile, size, args, log_path=log)
         if not _ports(process) & taken:
             return process
         process.proc.kill()

@@ -79,7 +79,7 @@ def workload_spec(args: argparse.Namespace, pods: int, model: Path) -> WorkloadS
 def _settings_record(args: argparse.Namespace, policies: list[str], workloads: list[str],
                      slos: dict[str, float]) -> dict:
     keys = ("pods", "pods_per_process", "gateways", "duration", "load", "rate", "burstiness", "spike_factor", "seed",
-            "kv_blocks", "block_size", "tenants_per_pod", "request_timeout", "pods_nice")
+            "kv_blocks", "block_size", "tenants_per_pod", "request_timeout")
     return {**{k: getattr(args, k) for k in keys}, "policies": policies, "workloads": workloads, "slos_ms": slos}
 
 
@@ -131,8 +131,7 @@ def main(args: argparse.Namespace) -> int:
     with work_dir(args.logs, "tessera-bench-fleet-") as work:
         keys = tenant_keys(max(p.spec.tenants for p in plans))
         settings = FleetSettings(model, Path(args.profile), args.pods_per_process, args.kv_blocks, args.block_size,
-                                 max_model_len(args, model), write_tenants_file(work / "tenants.yaml", keys),
-                                 args.pods_nice)
+                                 max_model_len(args, model), write_tenants_file(work / "tenants.yaml", keys))
         runs = _sweep(args, plans, settings, keys, policies, workloads, slos, work)
     print("\n" + runs_table(runs))
     report = {

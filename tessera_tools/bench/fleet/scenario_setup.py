@@ -46,8 +46,7 @@ def fleet_settings(args: argparse.Namespace, scenario: Scenario, pods_per_proces
                    work: Path) -> tuple[FleetSettings, list[str]]:
     keys = tenant_keys(scenario.plan.spec.tenants)
     settings = FleetSettings(scenario.model, Path(args.profile), pods_per_process, args.kv_blocks, args.block_size,
-                             max_model_len(args, scenario.model), write_tenants_file(work / "tenants.yaml", keys),
-                             args.pods_nice)
+                             max_model_len(args, scenario.model), write_tenants_file(work / "tenants.yaml", keys))
     return settings, keys
 
 
@@ -56,7 +55,7 @@ def common_record(args: argparse.Namespace, scenario: Scenario) -> dict:
     return {"model": str(scenario.model), "profile": str(args.profile),
             "profile_coefficients": {c: getattr(scenario.profile, c) for c in COEFFICIENTS},
             "policy": args.scenario_policy, "router": scenario.router, "workload": scenario.workload, "trace": trace,
-            "slos_ms": scenario.slos, "pods_nice": args.pods_nice}
+            "slos_ms": scenario.slos}
 
 
 def describe(scenario: Scenario) -> str:

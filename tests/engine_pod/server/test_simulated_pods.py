@@ -10,7 +10,6 @@ import asyncio
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
@@ -138,21 +137,3 @@ def test_bad_simulation_flags_fail_with_the_reason(tiny_llama, flags, message):
          "--host", "127.0.0.1", *flags],
         capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and message in result.stderr + result.stdout
-
-
-def _thread_niceness(pid: int) -> set[int]:
-    """The niceness of every thread of `pid` (field 19 of /proc/PID/task/TID/stat)."""
-    values = set()
-    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-        fields = stat.read_text().rsplit(")", 1)[1].split()
-        values.add(int(fields[16]))  # fields after the command start at field 3
-    return values
-
-
-def test_a_niced_process_runs_every_thread_below_normal_priority(tiny_llama, tmp_path):
-    """The fleet bench's --pods-nice: the gRPC and engine threads started
-    after the process was niced inherit it."""
-    with SimulatedPodsProcess(tiny_llama, PROFILE, 1, POD_ARGS, log_path=tmp_path / "log", nice=7) as pods:
-        pods.wait_serving()
-        niceness = _thread_niceness(pods.proc.pid)
-    assert niceness == {7}
