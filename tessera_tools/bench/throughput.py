@@ -87,6 +87,15 @@ def main(args: argparse.Namespace) -> int:
                   **run_against_vllm(args, llm, requests, generate_greedy)}
         write_report(report, args.output)
         return 0
+    if args.profile_ops:
+        from tessera_tools.bench.op_profile import describe, profile_ops
+
+        ops = profile_ops(lambda: run_engine(llm, requests))
+        print(f"where the time went, one generate under torch's profiler ({llm.config.model.dtype}):")
+        print(describe(ops))
+        write_report({"workload": _workload_record(requests), "dtype": str(llm.config.model.dtype),
+                      "operators": ops}, args.output)
+        return 0
     engine = run_engine(llm, requests)
     report = {
         "workload": _workload_record(requests),
@@ -129,6 +138,8 @@ def add_parser(kinds) -> None:
     p.add_argument("--kv-cache-gib", type=positive_float, default=4.0)
     p.add_argument("--hf-batch-size", type=positive_int, default=32)
     p.add_argument("--skip-hf", action="store_true", help="run Tessera only")
+    p.add_argument("--profile-ops", action="store_true",
+                   help="instead: one generate under torch's profiler, its time by kind of operator (op_profile.py)")
     peer = p.add_argument_group("peer (docs/benchmarks.md)")
     peer.add_argument("--peer", choices=("vllm",), default=None,
                       help="instead of HF: vLLM's CPU build (make vllm-venv) on the same requests and settings")
