@@ -5,7 +5,9 @@ The parent (tessera_tools/bench/peers/vllm_peer.py) speaks JSON lines with it. T
 stdin is the engine's settings; the worker builds `vllm.LLM`, warms it up and answers
 {"ready": ...}. Each later line is {"requests": [[prompt token ids, output length], ...]}:
 the worker generates them greedily (ignore_eos, every output its exact length), timing
-`generate` alone, and answers {"seconds": s, "token_ids": [...]}. An empty line or end of
+`generate` alone, and answers {"seconds": s, "token_ids": [...]}; with "profile": true it runs
+under torch's profiler and adds "operators": [[name, self seconds, calls], ...] (the engine must
+then run in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0). An empty line or end of
 input stops it. Its answers go to the stdout it was given; everything else it or vLLM prints
 goes to stderr, so a log line can never be taken for an answer.
 """
@@ -35,6 +37,15 @@ def _generate(llm, params_type, prompt_type, requests) -> tuple[float, list[list
     return seconds, [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def _profiled(llm, params_type, prompt_type, requests) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        seconds, token_ids = _generate(llm, params_type, prompt_type, requests)
+    operators = [[e.key, e.self_cpu_time_total / 1e6, e.count] for e in prof.key_averages()]
+    return {"seconds": seconds, "token_ids": token_ids, "operators": operators}
+
+
 def main() -> int:
     # Run as a script, its folder leads sys.path: no module beside it may stand in for vllm's.
     here = os.path.dirname(os.path.abspath(__file__))
@@ -54,9 +65,14 @@ def main() -> int:
     for line in sys.stdin:
         if not line.strip():
             break
-        requests = json.loads(line)["requests"]
-        seconds, token_ids = _generate(llm, SamplingParams, TokensPrompt, requests)
-        channel.write(json.dumps({"seconds": seconds, "token_ids": token_ids}) + "\n")
+        command = json.loads(line)
+        requests = command["requests"]
+        if command.get("profile"):
+            answer = _profiled(llm, SamplingParams, TokensPrompt, requests)
+        else:
+            seconds, token_ids = _generate(llm, SamplingParams, TokensPrompt, requests)
+            answer = {"seconds": seconds, "token_ids": token_ids}
+        channel.write(json.dumps(answer) + "\n")
     return 0
 
 

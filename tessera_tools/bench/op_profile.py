@@ -1,6 +1,7 @@
 """Where an engine's time goes, by kind of operator: one call run under torch's profiler, each
 operator's self CPU time summed into the categories issue 19 compares (GEMMs, attention, the
-element-wise work of norms, rotary embedding and activations, KV cache writes, sampling).
+element-wise work of norms, rotary embedding and activations, KV cache writes, sampling), for
+Tessera's operators and vLLM's alike.
 
 Self time, so nothing counts twice. The profiler sees the operators the calling thread runs;
 the wall time beyond their sum is Python, scheduling and the profiler's own cost (which makes
@@ -13,10 +14,13 @@ from collections.abc import Callable
 
 # Operator name fragments -> category, first match wins (names as the profiler reports them).
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("gemm", ("linear", "addmm", "::mm", "matmul", "bmm")),
-    ("attention", ("paged_decode", "scaled_dot_product", "flash_attention", "softmax")),
-    ("kv cache writes and gathers", ("index_copy", "index_select", "aten::index")),
+    ("kv cache writes and gathers", ("index_copy", "index_select", "aten::index", "reshape_and_cache",
+                                     "kv_cache_update")),
+    ("gemm", ("linear", "addmm", "::mm", "onednn_mm", "matmul", "bmm")),
+    ("attention", ("paged_decode", "scaled_dot_product", "flash_attention", "attention", "softmax")),
     ("sampling", ("argmax", "topk", "sort", "multinomial", "cumsum")),
+    # torch.compile's generated code (vLLM's fused norms, rotary and activations on CPU).
+    ("compiled graphs", ("CompiledFxGraph", "Pregraph", "Torch-Compiled")),
     ("norms, rotary, activations, casts", ("mul", "add", "silu", "gelu", "pow", "mean", "rsqrt", "neg", "cat",
                                             "div", "copy_", "_to_copy", "sub", "exp", "sum", "clamp")),
 )
@@ -39,7 +43,11 @@ def profile_ops(fn: Callable[[], object], top: int = 15) -> dict:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     wall = time.perf_counter() - start
-    ops = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()]
+    return summarize([(e.key, e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()], wall, top)
+
+
+def summarize(ops: list[tuple[str, float, int]], wall: float, top: int = 15) -> dict:
+    """Operators (name, self seconds, calls) -> the figures of `profile_ops` (a peer's, too)."""
     by_category: dict[str, float] = {}
     for name, seconds, _ in ops:
         by_category[category(name)] = by_category.get(category(name), 0.0) + seconds

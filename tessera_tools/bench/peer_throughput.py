@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from dataclasses import asdict
 
 from engine_pod import LLM
@@ -43,13 +44,33 @@ def _dtype_name(llm: LLM) -> str:
     return str(llm.config.model.dtype).removeprefix("torch.")
 
 
-def run_against_vllm(args: argparse.Namespace, llm: LLM, requests: list[BenchRequest], run_engine) -> dict:
-    """`run_engine(llm, requests)` -> (EngineRunResult, token ids): Tessera's side of a round."""
-    settings = VLLMSettings(
+def _settings(args: argparse.Namespace, llm: LLM, in_process: bool = False) -> VLLMSettings:
+    return VLLMSettings(
         model=str(llm.config.model.path), dtype=_dtype_name(llm), max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False, seed=args.seed,
         max_model_len=llm.config.model.max_model_len, kv_cache_gib=max(1, round(args.kv_cache_gib)),
-        cpus=args.peer_cpus)
+        cpus=args.peer_cpus, in_process=in_process)
+
+
+def profile_against_vllm(args: argparse.Namespace, llm: LLM, requests: list[BenchRequest], run_engine) -> dict:
+    """One generate of each side under torch's profiler (--profile-ops --peer vllm): their
+    operators by kind, side by side. vLLM's engine then runs in its worker's process."""
+    from tessera_tools.bench.op_profile import describe, profile_ops, summarize
+
+    ours = profile_ops(lambda: run_engine(llm, requests))
+    with VLLMPeer(_settings(args, llm, in_process=True), log_path=args.peer_log) as peer:
+        start = time.perf_counter()
+        _, operators = peer.profile(requests, PEER_GENERATE_TIMEOUT_S)
+        theirs = summarize(operators, time.perf_counter() - start)
+        version = peer.version
+    for name, figures in (("tessera", ours), (f"vllm {version}", theirs)):
+        print(f"{name}:\n{describe(figures)}")
+    return {"peer": {"name": "vllm", "version": version}, "operators": {"tessera": ours, "vllm": theirs}}
+
+
+def run_against_vllm(args: argparse.Namespace, llm: LLM, requests: list[BenchRequest], run_engine) -> dict:
+    """`run_engine(llm, requests)` -> (EngineRunResult, token ids): Tessera's side of a round."""
+    settings = _settings(args, llm)
     expected = [r.output_len for r in requests]
     tessera_tps, vllm_tps = [], []
     first: dict[str, list[list[int]]] = {}

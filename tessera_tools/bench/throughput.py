@@ -66,6 +66,23 @@ def _workload_record(requests: list[BenchRequest]) -> dict:
     }
 
 
+def _other_run(args: argparse.Namespace, llm: LLM, requests: list[BenchRequest]) -> dict | None:
+    """--peer vllm and/or --profile-ops: their part of the report; None for the comparison with HF."""
+    if args.peer == "vllm":
+        from tessera_tools.bench.peer_throughput import profile_against_vllm, run_against_vllm
+
+        run = profile_against_vllm if args.profile_ops else run_against_vllm
+        return run(args, llm, requests, generate_greedy)
+    if args.profile_ops:
+        from tessera_tools.bench.op_profile import describe, profile_ops
+
+        ops = profile_ops(lambda: run_engine(llm, requests))
+        print(f"where the time went, one generate under torch's profiler ({llm.config.model.dtype}):")
+        print(describe(ops))
+        return {"operators": ops}
+    return None
+
+
 def _warm_up(llm: LLM) -> None:
     llm.generate([{"prompt_token_ids": [5] * 64}] * 4, SamplingParams(temperature=0.0, max_tokens=4))
 
@@ -80,21 +97,10 @@ def main(args: argparse.Namespace) -> int:
     tokenizer = llm.get_tokenizer()
     requests = sharegpt_like(tokenizer, args.num_requests, args.max_prompt_len, args.max_output_len, args.seed)
     _warm_up(llm)
-    if args.peer == "vllm":
-        from tessera_tools.bench.peer_throughput import run_against_vllm
-
-        report = {"workload": _workload_record(requests), "dtype": str(llm.config.model.dtype),
-                  **run_against_vllm(args, llm, requests, generate_greedy)}
-        write_report(report, args.output)
-        return 0
-    if args.profile_ops:
-        from tessera_tools.bench.op_profile import describe, profile_ops
-
-        ops = profile_ops(lambda: run_engine(llm, requests))
-        print(f"where the time went, one generate under torch's profiler ({llm.config.model.dtype}):")
-        print(describe(ops))
-        write_report({"workload": _workload_record(requests), "dtype": str(llm.config.model.dtype),
-                      "operators": ops}, args.output)
+    other = _other_run(args, llm, requests)
+    if other is not None:
+        write_report({"workload": _workload_record(requests), "dtype": str(llm.config.model.dtype), **other},
+                     args.output)
         return 0
     engine = run_engine(llm, requests)
     report = {

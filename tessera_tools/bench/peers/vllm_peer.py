@@ -49,6 +49,9 @@ class VLLMSettings:
     """VLLM_CPU_KVCACHE_SPACE: the KV cache's GiB, as Tessera's --kv-cache-gib."""
     cpus: str
     """VLLM_CPU_OMP_THREADS_BIND: the cores its OpenMP threads are bound to, e.g. "0-1"."""
+    in_process: bool = False
+    """Its engine core in the worker's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0), where a
+    profiler around `generate` sees its operators: for --profile-ops only."""
 
 
 @dataclass
@@ -74,6 +77,8 @@ def cpu_environment(venv: Path, settings: VLLMSettings, tcmalloc: Path | None = 
     preload = " ".join([str(tcmalloc), str(iomp), env.get("LD_PRELOAD", "")]).strip()
     env.update(LD_PRELOAD=preload, VLLM_CPU_KVCACHE_SPACE=str(settings.kv_cache_gib),
                VLLM_CPU_OMP_THREADS_BIND=settings.cpus, VLLM_LOGGING_LEVEL="WARNING")
+    if settings.in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 
 
@@ -95,9 +100,18 @@ class VLLMPeer:
         self.version = ready.get("version", "?")
 
     def generate(self, requests: list[BenchRequest], timeout_s: float) -> PeerRun:
-        self._send({"requests": [[r.prompt_token_ids, r.output_len] for r in requests]})
-        answer = self._receive(timeout_s, "generate")
+        answer = self._generate(requests, timeout_s, profile=False)
         return PeerRun(answer["seconds"], answer["token_ids"])
+
+    def profile(self, requests: list[BenchRequest], timeout_s: float) -> tuple[PeerRun, list[tuple[str, float, int]]]:
+        """One generate under torch's profiler (settings.in_process), with its operators
+        (name, self seconds, calls)."""
+        answer = self._generate(requests, timeout_s, profile=True)
+        return PeerRun(answer["seconds"], answer["token_ids"]), [tuple(op) for op in answer["operators"]]
+
+    def _generate(self, requests: list[BenchRequest], timeout_s: float, profile: bool) -> dict:
+        self._send({"requests": [[r.prompt_token_ids, r.output_len] for r in requests], "profile": profile})
+        return self._receive(timeout_s, "generate")
 
     def close(self) -> None:
         if self.proc.poll() is None:

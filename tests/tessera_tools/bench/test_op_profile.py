@@ -16,6 +16,11 @@ from tessera_tools.bench.op_profile import OTHER, category, profile_ops
     ("aten::index_copy_", "kv cache writes and gathers"), ("aten::argmax", "sampling"),
     ("aten::mul", "norms, rotary, activations, casts"), ("aten::_to_copy", "norms, rotary, activations, casts"),
     ("aten::empty", OTHER),
+    # vLLM's CPU operators
+    ("_C::onednn_mm", "gemm"), ("_C::cpu_attention_with_kv_cache", "attention"),
+    ("_C::cpu_attn_reshape_and_cache", "kv cache writes and gathers"),
+    ("vllm::unified_kv_cache_update", "kv cache writes and gathers"),
+    ("## Call CompiledFxGraph None ##", "compiled graphs"), ("_C::greedy_argmax", "sampling"),
 ])
 def test_operators_fall_into_the_issues_categories(name, expected):
     assert category(name) == expected

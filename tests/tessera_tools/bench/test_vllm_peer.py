@@ -7,10 +7,12 @@ takes these arguments."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tessera_tools.bench.peer_throughput import comparison, parity
 from tessera_tools.bench.peers.vllm_peer import VLLMPeer, VLLMSettings
@@ -31,8 +33,9 @@ class LLM:
     def __init__(self, **settings):
         print("a log line on stdout")  # must not be taken for an answer
         with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
-            env = {k: os.environ.get(k) for k in ("LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE",
-                                                  "VLLM_CPU_OMP_THREADS_BIND")}
+            env = {k: os.environ[k] for k in ("LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE",
+                                              "VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING")
+                   if k in os.environ}
             json.dump({"settings": settings, "env": env,
                        "tessera_vars": sorted(k for k in os.environ if k.startswith("TESSERA_"))}, f)
 
@@ -63,7 +66,8 @@ def fake_vllm(tmp_path, monkeypatch):
     (venv / "lib").mkdir()
     (venv / "bin" / "python").symlink_to(sys.executable)
     (venv / "lib" / "libiomp5.so").symlink_to(HARMLESS_LIBRARY)
-    monkeypatch.setenv("PYTHONPATH", str(site))
+    # The stand-in, and torch (a real vLLM environment has its own) for the profiled generate.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(Path(torch.__file__).parents[1])]))
     monkeypatch.setenv("FAKE_VLLM_RECORD", str(tmp_path / "record.json"))
     monkeypatch.setenv("TESSERA_INTERNAL_SECRET", "not-for-the-peer-" + "x" * 32)
     return venv, tmp_path / "record.json"
@@ -90,6 +94,15 @@ def test_the_peer_generates_the_requests_with_vllms_cpu_setup(fake_vllm, tmp_pat
                            "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     assert seen["tessera_vars"] == [], "no Tessera variable (the internal secret) reaches the peer"
     assert "a log line on stdout" in (tmp_path / "vllm.log").read_text()
+
+
+def test_a_profiled_generate_runs_the_engine_in_the_workers_process_and_returns_its_operators(fake_vllm):
+    venv, record = fake_vllm
+    with VLLMPeer(_settings(in_process=True), venv=venv, tcmalloc=HARMLESS_LIBRARY) as peer:
+        run, operators = peer.profile([BenchRequest([1, 2, 3], 4)], timeout_s=30)
+    assert run.token_ids == [[6, 7, 8, 9]] and isinstance(operators, list)
+    assert all(len(op) == 3 for op in operators)
+    assert json.loads(record.read_text())["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
 def test_a_hung_or_dead_peer_ends_with_a_clear_error(fake_vllm):
