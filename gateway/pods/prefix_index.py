@@ -34,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from gateway.config import RouterConfig
 from tessera.v1 import engine_pb2 as epb
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,8 @@ PENDING_TTL_S = 10.0
 class PrefixIndex:
     """Block key -> the pods holding it, from the pods' pushed reports."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, max_keys_per_pod: int = 1 << 20) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 max_keys_per_pod: int = RouterConfig.max_pushed_blocks_per_pod) -> None:
         # Times the pending keys (note_routed); tests pass their own.
         self._clock = clock
         # The most keys believed of one pod, whatever its report says (router.max_pushed_blocks_per_pod).

@@ -63,4 +63,4 @@ def observe_pool(api: ClusterApi, owner: Owner, role: str, replicas: int, signal
     memory.samples[role] = samples
     return PoolObservation(replicas=replicas, ready=len(ready), pending=len(starting), signal=pool.value(signal),
                            busy=pool.busy, gateway_queued=demand.queued,
-                           prefills_unplaced=demand.prefills_unplaced if role == "prefill" else 0)
+                           prefills_unplaced=demand.unplaced_for(role))

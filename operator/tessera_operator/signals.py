@@ -90,6 +90,10 @@ class GatewayDemand:
     """Prompts the gateways had a decode pod prefill since the previous scrape, for want of a
     prefill pod (a prefill pool at zero: nothing queues while the decode pods serve)."""
 
+    def unplaced_for(self, role: str) -> int:
+        """`prefills_unplaced` as the demand of the pool of `role`: the prefill pool's alone."""
+        return self.prefills_unplaced if role == "prefill" else 0
+
 
 def _parse_gateway(text: str) -> tuple[int, float | None]:
     """One gateway pod's queued requests (all priority classes) and its unplaced-prefills counter

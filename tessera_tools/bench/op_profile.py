@@ -50,9 +50,10 @@ def summarize(ops: list[tuple[str, float, int]], wall: float, top: int = 15) -> 
     """Operators (name, self seconds, calls) -> the figures of `profile_ops` (a peer's, too)."""
     by_category: dict[str, float] = {}
     for name, seconds, _ in ops:
-        by_category[category(name)] = by_category.get(category(name), 0.0) + seconds
+        kind = category(name)
+        by_category[kind] = by_category.get(kind, 0.0) + seconds
     profiled = sum(by_category.values())
-    ops.sort(key=lambda op: op[1], reverse=True)
+    ops = sorted(ops, key=lambda op: op[1], reverse=True)
     return {
         "wall_s": wall, "operators_s": profiled, "outside_operators_s": max(0.0, wall - profiled),
         "by_category_s": dict(sorted(by_category.items(), key=lambda kv: kv[1], reverse=True)),

@@ -86,10 +86,9 @@ class Autoscaler:
         samples = {name: parse_pod_metrics(text, scraped_at=at) for name, (text, at) in texts.items()}
         signals = pool_signals(samples, self.memory, gateway_queued=demand.queued)
         self.memory = samples
-        unplaced = demand.prefills_unplaced if self.pool.role == "prefill" else 0
         return PoolObservation(replicas=self.replicas, ready=len(ready), pending=len(self.pool.in_state("starting")),
                                signal=signals.value(self.policy.signal), busy=signals.busy,
-                               gateway_queued=demand.queued, prefills_unplaced=unplaced)
+                               gateway_queued=demand.queued, prefills_unplaced=demand.unplaced_for(self.pool.role))
 
     def tick(self, now: float, demand: GatewayDemand | None = None) -> Decision:
         obs = self.observe(demand)
