@@ -33,6 +33,15 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
+def cpu_list(text: str) -> str:
+    """An argparse type: cores as Linux lists them, e.g. "0-1" or "0,2-3" (ascending ranges)."""
+    for part in text.split(","):
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and (not last.isdigit() or int(last) < int(first))):
+            raise argparse.ArgumentTypeError(f"expected cores like 0-1 or 0,2-3, got {text!r}")
+    return text
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 from engine_pod import LLM, SamplingParams
 from tessera_tools.bench.common import write_report
-from tessera_tools.bench.flags import add_common_args, add_device_arg, positive_float, positive_int
+from tessera_tools.bench.flags import add_common_args, add_device_arg, cpu_list, positive_float, positive_int
 from tessera_tools.bench.workload import BenchRequest, sharegpt_like
 
 
@@ -152,7 +152,7 @@ def add_parser(kinds) -> None:
     peer.add_argument("--rounds", type=positive_int, default=3, help="alternated rounds of each side")
     peer.add_argument("--parity-requests", type=positive_int, default=20,
                       help="greedy outputs compared with the peer's on this many first requests")
-    peer.add_argument("--peer-cpus", default="0-1",
+    peer.add_argument("--peer-cpus", type=cpu_list, default="0-1",
                       help="the cores of vLLM's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)")
     peer.add_argument("--peer-log", default=None, help="append vLLM's own output to this file")
     p.set_defaults(bench_func=main)

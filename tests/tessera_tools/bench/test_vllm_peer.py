@@ -157,3 +157,17 @@ def test_the_command_alternates_rounds_and_reports_the_ratio_and_parity(fake_vll
     assert rounds["ratio_of_medians"] == pytest.approx(rounds["tessera_median"] / rounds["vllm_median"])
     assert report["parity"]["requests"] == 4 and report["peer"]["settings"]["dtype"] == "float32"
     assert json.loads(record.read_text())["settings"]["model"] == str(tiny_llama)
+
+
+@pytest.mark.parametrize("cpus, ok", [("0-1", True), ("0,2-3", True), ("3", True), ("1-0", False), ("a", False),
+                                      ("0-", False), ("", False), ("0;rm", False)])
+def test_the_peers_cores_are_checked_before_anything_starts(cpus, ok):
+    import argparse
+
+    from tessera_tools.bench.flags import cpu_list
+
+    if ok:
+        assert cpu_list(cpus) == cpus
+    else:
+        with pytest.raises(argparse.ArgumentTypeError, match="expected cores like 0-1"):
+            cpu_list(cpus)
