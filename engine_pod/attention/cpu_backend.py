@@ -1,12 +1,16 @@
-"""Paged attention for CPU engines: the torch backend with its decodes run by
-a C++ kernel (cpu_ops/paged_decode.cpp) that reads K/V straight from the
-paged cache.
+"""Paged attention for CPU engines: the torch backend with its work run by C++
+kernels (cpu_ops/).
 
-On a CPU, a decode step's attention is bound by memory traffic: the torch
-backend copies every decode's blocks into a contiguous tensor per layer and
-then reads the copy, three passes over the context's bytes where one will
-do. Prefill chunks stay on the torch path: they are GEMM-shaped, and SDPA
-does them well.
+Decodes: on a CPU a decode step's attention is bound by memory traffic, and
+the torch backend copies every decode's blocks into a contiguous tensor per
+layer and then reads the copy, three passes over the context's bytes where
+one will do; paged_decode.cpp reads K/V straight from the paged cache.
+
+Prefill chunks: torch's CPU SDPA multiplies one query head's small tile at a
+time; prefill_attention.cpp stacks the query heads of each KV head and runs
+each block of queries as two float32 GEMMs. A chunk after cached context
+attends over that context gathered from the cache, as in the torch backend.
+float64 engines keep the torch path (the kernel computes in float32).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine_pod.attention.abstract import AttentionMetadata
-from engine_pod.attention.torch_backend import TorchAttentionBackend
+from engine_pod.attention.torch_backend import TorchAttentionBackend, gather_blocks
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -26,3 +30,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
         torch.ops.tessera_cpu.paged_decode(
             query[:nd], kv_cache[0], kv_cache[1], md.block_table[:nd], md.seq_lens[:nd], scale, out[:nd]
         )
+
+    @staticmethod
+    def _prefill(i, q, k_new, v_new, kv_cache, md: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:
+        if q.dtype == torch.float64:
+            return TorchAttentionBackend._prefill(i, q, k_new, v_new, kv_cache, md, scale, gqa)
+        seq_len = int(md.seq_lens_cpu[i])
+        if seq_len == q.shape[0]:  # nothing cached before the chunk: its own keys are all there is
+            k, v = k_new, v_new
+        else:
+            blocks = md.block_table[i, : -(-seq_len // md.block_size)]
+            k = gather_blocks(kv_cache[0], blocks, 1)[0, :seq_len]
+            v = gather_blocks(kv_cache[1], blocks, 1)[0, :seq_len]
+        out = torch.empty_like(q)
+        torch.ops.tessera_cpu.prefill_attention(q, k, v, scale, out)
+        return out

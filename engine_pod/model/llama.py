@@ -5,6 +5,11 @@ padding; attention finds each token's context through the paged KV cache.
 Module names follow the Hugging Face checkpoints, with q/k/v and gate/up
 merged into one projection each (see ``STACKED_PARAMS``).
 
+The residual stream is passed between layers beside the hidden state (as
+vLLM does), so each residual add happens inside the norm that follows it:
+on a CPU engine (``cpu_kernels``: attention backend "cpu", whose C++ kernels
+built, and a float32/bf16/fp16 model) that is one kernel, as are rotary and SiLU-times-up.
+
 Under tensor parallelism each rank builds the same modules with its share of
 the heads, the intermediate size and the vocabulary (parallel_layers.py):
 one all-reduce after the attention output and one after the MLP.
@@ -18,7 +23,7 @@ from torch import nn
 from engine_pod.attention.abstract import AttentionBackend, AttentionMetadata
 from engine_pod.distributed.parallel_state import TensorParallelGroup
 from engine_pod.model.hf_config import ModelArchConfig
-from engine_pod.model.layers import RMSNorm
+from engine_pod.model.layers import RMSNorm, silu_and_mul
 from engine_pod.model.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -30,6 +35,9 @@ from engine_pod.model.parallel_layers import (
     vocab_parallel_logits,
 )
 from engine_pod.model.rotary import RotaryEmbedding, compute_inv_freq
+
+# Model dtypes the layers' C++ kernels run (they compute in float, as torch does for these).
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # merged parameter -> (checkpoint projection, shard name)
 STACKED_PARAMS = {
@@ -70,35 +78,46 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, group: TensorParallelGroup) -> None:
+    def __init__(self, cfg: ModelArchConfig, group: TensorParallelGroup, cpu_kernels: bool = False) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size // group.world_size
+        self.cpu_kernels = cpu_kernels
         shards = split_shards(["gate", "up"], cfg.intermediate_size, group)
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, shards, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.cpu_kernels))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend, group: TensorParallelGroup
+        self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend, group: TensorParallelGroup,
+        cpu_kernels: bool = False,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, backend, group)
-        self.mlp = LlamaMLP(cfg, group)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg, group, cpu_kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cpu_kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cpu_kernels)
 
-    def forward(self, positions, hidden, kv_cache, md, output_rows=None) -> torch.Tensor:
-        """The layer's output for ``output_rows`` (all rows when None). Every
-        row's K/V is written either way; past the attention each row is
-        computed on its own, so the other rows' o_proj and MLP are skipped."""
-        attn = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, md, output_rows)
-        hidden = (hidden if output_rows is None else hidden[output_rows]) + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, positions, hidden, residual, kv_cache, md, output_rows=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream) for ``output_rows`` (all rows when
+        None); the layer's output in HF's terms is their sum, which the next
+        norm adds (``residual`` is None at the first layer: the embeddings
+        are the stream). Every row's K/V is written either way; past the
+        attention each row is computed on its own, so the other rows' o_proj
+        and MLP are skipped."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            residual, normed = self.input_layernorm.add_and_norm(residual, hidden)
+        attn = self.self_attn(positions, normed, kv_cache, md, output_rows)
+        if output_rows is not None:
+            residual = residual[output_rows]
+        residual, normed = self.post_attention_layernorm.add_and_norm(residual, attn)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -110,23 +129,25 @@ class LlamaModel(nn.Module):
         inv_freq, scale = compute_inv_freq(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, max_model_len
         )
+        # The cpu backend's build registered the layers' kernels too (float arithmetic: not for float64).
+        cpu_kernels = backend.name == "cpu" and dtype in CPU_KERNEL_DTYPES
         # One table shared by every layer (not a parameter, not in the checkpoint).
-        rotary = RotaryEmbedding(cfg.head_dim, max_model_len, inv_freq, scale, dtype)
+        rotary = RotaryEmbedding(cfg.head_dim, max_model_len, inv_freq, scale, dtype, cpu_kernels)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary, backend, group) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, rotary, backend, group, cpu_kernels) for _ in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cpu_kernels)
 
     def forward(
         self, input_ids, positions, kv_caches: list[torch.Tensor], md: AttentionMetadata, output_rows=None
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             # Only the last layer can drop rows: earlier ones feed every row's K/V onwards.
-            hidden = layer(positions, hidden, kv_cache, md, output_rows if i == last else None)
-        return hidden
+            hidden, residual = layer(positions, hidden, residual, kv_cache, md, output_rows if i == last else None)
+        return residual + hidden
 
 
 class LlamaForCausalLM(nn.Module):

@@ -99,10 +99,16 @@ def compute_inv_freq(
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Neox-style (rotate-half) rotary embedding over a precomputed table."""
+    """Neox-style (rotate-half) rotary embedding over a precomputed table.
+    With ``cpu_kernels`` one C++ kernel rotates q and k in place
+    (attention/cpu_ops/fused_layers.cpp), rounding where the torch path does."""
 
-    def __init__(self, head_dim: int, max_len: int, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype):
+    def __init__(
+        self, head_dim: int, max_len: int, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype,
+        cpu_kernels: bool = False,
+    ):
         super().__init__()
+        self.cpu_kernels = cpu_kernels
         positions = torch.arange(max_len, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.to(torch.float32))
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -116,6 +122,9 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, Hq, D], k: [T, Hkv, D]
+        if self.cpu_kernels:
+            torch.ops.tessera_cpu.rotary_embedding(q, k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin

@@ -25,7 +25,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("paged_decode.cpp"),)
+SOURCES = tuple(Path(__file__).with_name(name) for name in (
+    "paged_decode.cpp", "prefill_attention.cpp", "fused_layers.cpp",
+))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 
 
