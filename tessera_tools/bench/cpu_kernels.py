@@ -5,13 +5,19 @@ on the model's own shapes, side by side in one run.
   each decode group's blocks, then attend) against the cpu backend's C++
   kernel (reads K/V in place through the block table), over a scattered
   paged cache, for several batch sizes;
+- prefill attention over all layers for one fresh chunk of several lengths:
+  the torch backend (SDPA) against the cpu backend's kernel (the query heads
+  of each KV head stacked, two GEMMs per block of queries);
+- the layers' element-wise work (RMSNorm with the residual add, rotary
+  embedding, SiLU-times-up; one layer's worth, times the layers) at several
+  token counts: torch's operator chain against the C++ kernels;
 - the projections of all layers (q/k/v, o, gate/up, down) and the LM head at
   several token counts: dense weights through torch's GEMM against weights
   packed for oneDNN. Each layer has its own weights, so like the engine the
   GEMMs stream weights from memory instead of finding them in cache.
 
 Each pair is first checked to compute the same result (the command fails
-otherwise).
+otherwise; the element-wise kernels must match to the bit).
 Times are the best of ``--repeats`` rounds of one full pass over the layers.
 """
 
@@ -27,6 +33,11 @@ from engine_pod.model.hf_config import load_arch_config, parse_dtype
 from tessera_tools.bench.common import write_report
 from tessera_tools.bench.flags import add_common_args, int_at_least, positive_int, positive_int_list
 from tessera_tools.bench.stats import best_of
+
+
+def _tolerance(dtype) -> float:
+    """How far two attention paths may differ: the rounding of the dtype (a bf16 ulp is 1/128)."""
+    return 1e-3 if dtype in (torch.float32, torch.float64) else 2e-2
 
 
 def _decode_step(arch, batch: int, context: int, block_size: int, dtype, gen):
@@ -71,7 +82,7 @@ def bench_attention(arch, dtype, batches, context, block_size, repeats, gen) -> 
             row[f"{backend.name}_ms"] = best_of(step, repeats) * 1e3
         # Timing means nothing if the two disagree.
         row["max_abs_diff"] = float((outputs[0].double() - outputs[1].double()).abs().max())
-        if not torch.allclose(outputs[0].double(), outputs[1].double(), rtol=1e-3, atol=1e-3):
+        if not torch.allclose(outputs[0].double(), outputs[1].double(), rtol=_tolerance(dtype), atol=_tolerance(dtype)):
             raise RuntimeError(f"batch {batch}: the cpu kernel and the torch backend disagree "
                                f"(max |diff| {row['max_abs_diff']:.3g})")
         kv_bytes = 2 * float(md.seq_lens_cpu.sum()) * arch.num_key_value_heads * arch.head_dim * q.element_size()
@@ -81,6 +92,89 @@ def bench_attention(arch, dtype, batches, context, block_size, repeats, gen) -> 
         print(f"decode attention, batch {batch:4d}, mean context {row['mean_context']:6.0f}: torch "
               f"{row['torch_ms']:8.1f} ms, cpu kernel {row['cpu_ms']:7.1f} ms ({row['speedup']:.1f}x, "
               f"K/V read at {row['kv_gb_per_s_cpu']:.1f} GB/s)", flush=True)
+    return rows
+
+
+def _prefill_chunk(arch, length: int, block_size: int, dtype, gen):
+    """One fresh prefill chunk of `length` tokens (nothing cached before it): metadata, one cache, q/k/v."""
+    num_blocks = -(-length // block_size)
+    table = torch.arange(num_blocks, dtype=torch.int64).view(1, -1)
+    lens = np.array([length], dtype=np.int64)
+    qsl = np.array([0, length], dtype=np.int64)
+    md = AttentionMetadata(length, 0, torch.arange(length), torch.from_numpy(qsl), torch.from_numpy(lens), table,
+                           qsl, lens, block_size)
+    cache = torch.zeros(2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim, dtype=dtype)
+    q = torch.randn(length, arch.num_attention_heads, arch.head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(length, arch.num_key_value_heads, arch.head_dim, generator=gen).to(dtype) for _ in range(2))
+    return md, cache, q, k, v
+
+
+def bench_prefill(arch, dtype, lengths, block_size, repeats, gen) -> list[dict]:
+    from engine_pod.attention.cpu_backend import CpuAttentionBackend
+    from engine_pod.attention.torch_backend import TorchAttentionBackend
+
+    rows, scale = [], arch.head_dim**-0.5
+    for length in lengths:
+        md, cache, q, k, v = _prefill_chunk(arch, length, block_size, dtype, gen)
+        row: dict = {"tokens": length}
+        outputs = []
+        for backend in (TorchAttentionBackend(), CpuAttentionBackend()):
+            outputs.append(backend.forward(q, k, v, cache, md, scale))
+            def chunk(backend=backend):
+                for _ in range(arch.num_hidden_layers):
+                    backend.forward(q, k, v, cache, md, scale)
+            row[f"{backend.name}_ms"] = best_of(chunk, repeats) * 1e3
+        row["max_abs_diff"] = float((outputs[0].double() - outputs[1].double()).abs().max())
+        if not torch.allclose(outputs[0].double(), outputs[1].double(), rtol=_tolerance(dtype), atol=_tolerance(dtype)):
+            raise RuntimeError(f"{length} tokens: the prefill kernel and the torch backend disagree "
+                               f"(max |diff| {row['max_abs_diff']:.3g})")
+        row["speedup"] = row["torch_ms"] / row["cpu_ms"]
+        rows.append(row)
+        print(f"prefill attention, a fresh chunk of {length:5d} tokens: torch (SDPA) {row['torch_ms']:8.1f} ms, "
+              f"cpu kernel {row['cpu_ms']:7.1f} ms ({row['speedup']:.1f}x)", flush=True)
+    return rows
+
+
+def bench_layers(arch, dtype, token_counts, repeats, gen) -> list[dict]:
+    from engine_pod.model.layers import RMSNorm, silu_and_mul
+    from engine_pod.model.rotary import RotaryEmbedding, compute_inv_freq
+
+    inv_freq, scale = compute_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling,
+                                       arch.max_position_embeddings, arch.max_position_embeddings)
+    q_size, kv_size = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    rows = []
+    for tokens in token_counts:
+        hidden = torch.randn(tokens, arch.hidden_size, generator=gen).to(dtype)
+        residual = torch.randn(tokens, arch.hidden_size, generator=gen).to(dtype)
+        qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen).to(dtype)
+        gate_up = torch.randn(tokens, 2 * arch.intermediate_size, generator=gen).to(dtype)
+        positions = torch.randint(0, arch.max_position_embeddings, (tokens,), generator=gen)
+        row: dict = {"tokens": tokens}
+        results = []
+        for kernels in (False, True):
+            norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+            norm.weight.data = torch.ones(arch.hidden_size, dtype=dtype)
+            rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, inv_freq, scale, dtype, kernels)
+
+            def layer(norm=norm, rope=rope, kernels=kernels):
+                # A layer's element-wise work: two residual adds with their norms, rotary, the activation.
+                out = [norm.add_and_norm(residual, hidden.clone())[1]]
+                q, k, _ = qkv.clone().split([q_size, kv_size, kv_size], dim=-1)
+                out += rope(positions, q.view(tokens, -1, arch.head_dim), k.view(tokens, -1, arch.head_dim))
+                out.append(norm.add_and_norm(residual, hidden.clone())[1])
+                out.append(silu_and_mul(gate_up, kernels))
+                return out
+
+            with torch.inference_mode():
+                results.append(layer())
+                row["kernels_ms" if kernels else "torch_ms"] = best_of(
+                    lambda layer=layer: [layer() for _ in range(arch.num_hidden_layers)], repeats) * 1e3
+        if not all(torch.equal(a, b) for a, b in zip(*results)):
+            raise RuntimeError(f"{tokens} tokens: the layer kernels and torch's operators differ")
+        row["speedup"] = row["torch_ms"] / row["kernels_ms"]
+        rows.append(row)
+        print(f"layers' element-wise work, {tokens:4d} tokens: torch operators {row['torch_ms']:7.1f} ms, "
+              f"kernels {row['kernels_ms']:6.1f} ms ({row['speedup']:.1f}x, equal to the bit)", flush=True)
     return rows
 
 
@@ -149,6 +243,8 @@ def main(args: argparse.Namespace) -> int:
     report = {
         "dtype": str(dtype), "threads": torch.get_num_threads(),
         "attention": bench_attention(arch, dtype, args.batches, args.context, args.block_size, args.repeats, gen),
+        "prefill": bench_prefill(arch, dtype, args.prefill_tokens, args.block_size, args.repeats, gen),
+        "layers": bench_layers(arch, dtype, args.tokens, args.repeats, gen),
         "linear": bench_linear(arch, dtype, args.tokens, args.repeats, gen),
     }
     write_report(report, args.output)
@@ -156,12 +252,15 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_parser(kinds) -> None:
-    p = kinds.add_parser("cpu-kernels", help="CPU decode attention and packed GEMMs vs the torch paths")
+    p = kinds.add_parser("cpu-kernels", help="CPU attention and layer kernels, packed GEMMs: each vs the torch path")
     add_common_args(p)
     p.add_argument("--batches", type=positive_int_list, default=[1, 8, 32, 128], help="decode batch sizes")
     # Contexts are drawn from [context/2, 3*context/2): at 1, every one would be empty.
     p.add_argument("--context", type=int_at_least(2), default=400, help="mean context length of the decodes")
     p.add_argument("--block-size", type=positive_int, default=16)
-    p.add_argument("--tokens", type=positive_int_list, default=[1, 8, 32, 128, 512, 2048], help="GEMM token counts")
+    p.add_argument("--tokens", type=positive_int_list, default=[1, 8, 32, 128, 512, 2048],
+                   help="token counts of the GEMMs and of the layers' element-wise work")
+    p.add_argument("--prefill-tokens", type=positive_int_list, default=[64, 187, 512, 2048],
+                   help="lengths of the fresh prefill chunks")
     p.add_argument("--repeats", type=positive_int, default=5, help="timed passes; the best counts")
     p.set_defaults(bench_func=main)
