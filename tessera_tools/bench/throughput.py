@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from engine_pod import LLM, SamplingParams
 from tessera_tools.bench.common import write_report
 from tessera_tools.bench.flags import add_common_args, add_device_arg, cpu_list, positive_float, positive_int
+from tessera_tools.bench.kernel_ablation import ABLATIONS
 from tessera_tools.bench.workload import BenchRequest, sharegpt_like
 
 
@@ -67,7 +68,11 @@ def _workload_record(requests: list[BenchRequest]) -> dict:
 
 
 def _other_run(args: argparse.Namespace, llm: LLM, requests: list[BenchRequest]) -> dict | None:
-    """--peer vllm and/or --profile-ops: their part of the report; None for the comparison with HF."""
+    """--peer vllm, --profile-ops or --ablate: their part of the report; None for the comparison with HF."""
+    if args.ablate:
+        from tessera_tools.bench.kernel_ablation import ablate
+
+        return ablate(llm, requests, args.ablate, args.rounds, generate_greedy)
     if args.peer == "vllm":
         from tessera_tools.bench.peer_throughput import profile_against_vllm, run_against_vllm
 
@@ -146,10 +151,13 @@ def add_parser(kinds) -> None:
     p.add_argument("--skip-hf", action="store_true", help="run Tessera only")
     p.add_argument("--profile-ops", action="store_true",
                    help="instead: one generate under torch's profiler, its time by kind of operator (op_profile.py)")
+    p.add_argument("--ablate", choices=ABLATIONS, default=None,
+                   help="instead: this CPU kernel off and on in alternated --rounds of one engine (kernel_ablation.py)")
     peer = p.add_argument_group("peer (docs/benchmarks.md)")
     peer.add_argument("--peer", choices=("vllm",), default=None,
                       help="instead of HF: vLLM's CPU build (make vllm-venv) on the same requests and settings")
-    peer.add_argument("--rounds", type=positive_int, default=3, help="alternated rounds of each side")
+    peer.add_argument("--rounds", type=positive_int, default=3,
+                      help="alternated rounds of each side (--peer, --ablate)")
     peer.add_argument("--parity-requests", type=positive_int, default=20,
                       help="greedy outputs compared with the peer's on this many first requests")
     peer.add_argument("--peer-cpus", type=cpu_list, default="0-1",
