@@ -8,7 +8,8 @@ one will do; paged_decode.cpp reads K/V straight from the paged cache.
 
 Prefill chunks: torch's CPU SDPA multiplies one query head's small tile at a
 time; prefill_attention.cpp stacks the query heads of each KV head and runs
-each block of queries as two float32 GEMMs. A chunk after cached context
+each block of queries as two GEMMs (bf16 dot products into float on AVX-512
+BF16, else float32). A chunk after cached context
 attends over that context gathered from the cache, as in the torch backend.
 float64 engines keep the torch path (the kernel computes in float32).
 """

@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "paged_decode.cpp", "prefill_attention.cpp", "fused_layers.cpp",
 ))
+# Included by the sources: part of the build's name, so a change rebuilds.
+HEADERS = (Path(__file__).with_name("bf16_bits.h"),)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 
 
@@ -45,7 +47,7 @@ def extension_name() -> str:
     key = hashlib.sha256()
     for part in (_cpu_flags(), " ".join(CFLAGS), torch.__version__, sys.version):
         key.update(part.encode() + b"\0")
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
     return f"tessera_cpu_ops_{key.hexdigest()[:16]}"
 

@@ -32,11 +32,16 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_bits.h"
+
 namespace {
 
+using tessera_cpu::bf16_rounded_bits;
+using tessera_cpu::bits_float;
+using tessera_cpu::to_bf16_bits;
+
 // Loading, storing and rounding a model-dtype value, all through float. bf16
-// is done on the bits (round to nearest even, NaN kept), which vectorises
-// where c10::BFloat16's branchy conversion does not; the other types convert.
+// is done on the bits (bf16_bits.h); the other types convert.
 template <typename scalar_t>
 inline float load_value(const scalar_t* p) {
   return static_cast<float>(*p);
@@ -45,27 +50,13 @@ template <typename scalar_t>
 inline void store_value(scalar_t* p, float x) {
   *p = static_cast<scalar_t>(x);
 }
-inline uint32_t float_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  return u;
-}
-inline float bits_float(uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, sizeof(x));
-  return x;
-}
-inline uint32_t bf16_rounded_bits(float x) {
-  const uint32_t u = float_bits(x);
-  return x != x ? (u | 0x00400000u) : u + 0x7FFFu + ((u >> 16) & 1u);  // quiet NaN stays NaN
-}
 template <>
 inline float load_value(const c10::BFloat16* p) {
   return bits_float(static_cast<uint32_t>(p->x) << 16);
 }
 template <>
 inline void store_value(c10::BFloat16* p, float x) {
-  p->x = static_cast<uint16_t>(bf16_rounded_bits(x) >> 16);
+  p->x = to_bf16_bits(x);
 }
 
 // The value as the model dtype stores it: float rounded to nearest-even in

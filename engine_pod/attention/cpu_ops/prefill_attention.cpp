@@ -6,10 +6,11 @@
 // multiplies one query head's small tile at a time. Here the query heads that
 // share a KV head are stacked into one matrix (their rows side by side), so
 // each block of 64 query tokens is one scores GEMM and one values GEMM per KV
-// head, with the row softmax between them. Everything is float32 (the chunk's
-// q, k and v are widened once): scores, probabilities and the accumulation,
-// which is at least as exact as the flash kernel (it rounds probabilities to
-// the model dtype before the second GEMM).
+// head, with the row softmax between them in float. In bf16 (head size 64 or
+// 128, on AVX-512 BF16) the GEMMs are dot products of bf16 pairs into float,
+// the probabilities rounded to bf16 for the second one as the flash kernel
+// rounds them; otherwise q, k and v are widened to float32 once and the GEMMs
+// are torch's. Scores and accumulation are float either way.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -19,12 +20,14 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
-#include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#include "bf16_bits.h"
 
 namespace {
 
@@ -150,14 +153,9 @@ struct Bf16Gemms {
 };
 #endif
 
-// Round floats to bf16 (nearest even; the values are finite probabilities), a
-// loop that vectorises where c10::BFloat16's conversion does not.
+// Round floats to bf16 (nearest even), a loop that vectorises.
 inline void to_bf16(const float* x, int64_t n, at::BFloat16* out) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, x + i, sizeof(u));
-    out[i].x = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  }
+  for (int64_t i = 0; i < n; ++i) out[i].x = tessera_cpu::to_bf16_bits(x[i]);
 }
 
 template <typename Gemms>

@@ -93,6 +93,31 @@ def test_bad_arguments_are_refused_with_a_message(change, message):
         torch.ops.tessera_cpu.paged_decode(**change(args))
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda a: {**a, "key": a["key"][:3], "value": a["value"][:3]}, "fewer keys than queries"),
+    (lambda a: {**a, "value": a["value"][:, :1]}, "key and value must match"),
+    (lambda a: {**a, "query": a["query"][:, :3]}, "multiple of KV heads"),
+    (lambda a: {**a, "out": a["out"][:, :1]}, "out must be a contiguous tensor shaped like query"),
+    (lambda a: {**a, "key": a["key"].half()}, "must share a dtype"),
+    (lambda a: {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in a.items()},
+     "float32, bfloat16 or float16 expected"),
+])
+def test_bad_prefill_arguments_are_refused_with_a_message(change, message):
+    args = {"query": torch.randn(5, 8, 64), "key": torch.randn(9, 2, 64), "value": torch.randn(9, 2, 64),
+            "scale": 0.125, "out": torch.empty(5, 8, 64)}
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.tessera_cpu.prefill_attention(**change(args))
+
+
+def test_the_build_hashes_the_headers_its_sources_include():
+    from engine_pod.attention.cpu_ops import build
+
+    for source in build.SOURCES:
+        for line in source.read_text().splitlines():
+            if line.startswith('#include "'):
+                assert source.with_name(line.split('"')[1]) in build.HEADERS, line
+
+
 def test_the_build_is_named_after_the_cpu_it_was_compiled_for(monkeypatch):
     from engine_pod.attention.cpu_ops import build
 

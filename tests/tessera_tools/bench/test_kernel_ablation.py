@@ -47,3 +47,11 @@ def test_an_engine_without_the_kernel_is_refused(tiny_llama):
         with pytest.raises(ValueError, match="does not run the layers' CPU kernels"):
             with kernel_switched_off(llm, "layer-kernels"):
                 pass
+
+
+def test_the_prefill_kernel_cannot_be_ablated_on_the_torch_backend(tiny_llama):
+    with LLM(str(tiny_llama), dtype="float32", attention_backend="torch", max_model_len=128,
+             kv_cache_memory_bytes=8 << 20) as llm:
+        with pytest.raises(ValueError, match="runs the torch attention backend, not cpu"):
+            with kernel_switched_off(llm, "prefill-kernel"):
+                pass
