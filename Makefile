@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TINY   := models/tiny
 
-.PHONY: venv run test lint proto bench-models vllm-venv clean
+.PHONY: venv run test lint proto bench-models bench-model-1b vllm-venv clean
 
 # torch first, pinned: it takes the local CPU wheel; a looser pin pulls a CUDA build.
 # Then the test extra, which pulls the engine and tools extras: every layer, for the suite
@@ -44,6 +44,10 @@ proto: $(STAMP)
 
 bench-models: $(STAMP)
 	test -f models/bench/model.safetensors || $(VENV)/bin/tessera make-model --preset bench models/bench
+
+# ~1.0B parameters (2 GB in bf16): the engine benchmarks' bigger shape, not needed by the tests.
+bench-model-1b: $(STAMP)
+	test -f models/bench-1b/model.safetensors || $(VENV)/bin/tessera make-model --preset bench-1b models/bench-1b
 
 # vLLM's CPU build, the engine benchmarks' peer (`tessera bench throughput --peer vllm`), in a
 # virtual environment of its own, never in .venv: about 3.4 GB. torch pinned first, as for .venv;

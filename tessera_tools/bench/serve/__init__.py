@@ -4,25 +4,43 @@ metrics and names of `vllm bench serve`.
 
     tessera bench serve --base-url http://127.0.0.1:8000/v1 --request-rates 1,2,4,8 \\
         --num-prompts 100 --output-json bench-results/serve.json --plot-dir bench-results/serve
+
+Against vLLM's server, both started by the command (serve/peer.py):
+
+    tessera bench serve --peer vllm --serve-model models/bench --request-rates 1,2,4 \
+        --goodput ttft:2000 tpot:200 --output-json bench-results/serve-vs-vllm.json
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-from tessera_tools.bench.flags import non_negative_int, positive_float, positive_int
+from tessera_tools.bench.flags import add_logs_arg, cpu_list, non_negative_int, positive_float, positive_int
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tessera_tools.bench.serve.runner import main  # aiohttp, transformers: only when the command runs
-
+    # aiohttp, transformers: only when the command runs.
+    if args.peer:
+        if args.base_url:
+            print("error: --peer vllm starts both servers itself: drop --base-url", file=sys.stderr)
+            return 2
+        if not args.serve_model:
+            print("error: --peer vllm needs --serve-model, the checkpoint both servers load", file=sys.stderr)
+            return 2
+        from tessera_tools.bench.serve.peer import main
+    else:
+        if not args.base_url:
+            print("error: --base-url is required (or --peer vllm with --serve-model)", file=sys.stderr)
+            return 2
+        from tessera_tools.bench.serve.runner import main
     return main(args)
 
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("serve", help="latency and throughput of an OpenAI-compatible endpoint under load")
     target = p.add_argument_group("target")
-    target.add_argument("--base-url", required=True, help="the API root, e.g. http://127.0.0.1:8000/v1")
+    target.add_argument("--base-url", default=None, help="the API root, e.g. http://127.0.0.1:8000/v1")
     target.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY, else none)")
     target.add_argument("--model", default=None, help="model name to request (default: the first of GET /models)")
     target.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
@@ -63,4 +81,25 @@ def add_parser(kinds) -> None:
     out.add_argument("--output-json", default="bench-results/serve.json", help="write the results as JSON here")
     out.add_argument("--plot-dir", default=None, help="write PNG plots here")
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    _add_peer_args(p)
     p.set_defaults(bench_func=_run)
+
+
+def _add_peer_args(p: argparse.ArgumentParser) -> None:
+    peer = p.add_argument_group("peer: Tessera against `vllm serve`, both started by the command (docs/benchmarks.md)")
+    peer.add_argument("--peer", choices=("vllm",), default=None,
+                      help="start Tessera (engine pod + gateway) and vLLM's server (make vllm-venv) on --serve-model "
+                           "and run the sweep on both, turn about")
+    peer.add_argument("--serve-model", default=None, help="the checkpoint folder both servers load")
+    peer.add_argument("--dtype", default="auto", help="bfloat16 or float32 (auto: the checkpoint's)")
+    peer.add_argument("--max-num-seqs", type=positive_int, default=256)
+    peer.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    peer.add_argument("--max-model-len", type=positive_int, default=None, help="default: the checkpoint's")
+    peer.add_argument("--kv-cache-gib", type=positive_int, default=4, help="KV cache of each server, GiB")
+    peer.add_argument("--no-prefix-caching", action="store_true", help="prefix caching off on both")
+    peer.add_argument("--rounds", type=positive_int, default=1, help="alternated runs of each server per rate")
+    peer.add_argument("--sustained-fraction", type=positive_float, default=0.9,
+                      help="a rate counts as sustained when completed requests/s reach this share of it")
+    peer.add_argument("--peer-cpus", type=cpu_list, default="0-1",
+                      help="cores of vLLM's OpenMP threads; Tessera's pod gets as many torch threads")
+    add_logs_arg(p)

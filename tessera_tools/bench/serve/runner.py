@@ -80,7 +80,7 @@ def build_dataset(args: argparse.Namespace) -> list[ServeRequest]:
     return requests
 
 
-async def _resolve_target(client: ServeClient, args: argparse.Namespace, probe: ServeRequest) -> Target:
+async def resolve_target(client: ServeClient, args: argparse.Namespace, probe: ServeRequest) -> Target:
     """The model (the server's first, unless given) and whether `ignore_eos`
     is taken: one short request tells, and fails loudly if nothing works."""
     model = args.model
@@ -104,23 +104,27 @@ async def _run_sweep(args: argparse.Namespace, settings: Settings,
                      requests: list[ServeRequest]) -> tuple[Target, list[tuple[RateRun, dict]]]:
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     async with ServeClient(args.base_url, api_key, args.request_timeout) as client:
-        target = await _resolve_target(client, args, requests[0])
+        target = await resolve_target(client, args, requests[0])
         print(f"model {target.model} at {target.url}; {len(requests)} requests per rate; "
               f"ignore_eos {'on' if target.ignore_eos else 'off'}")
         for i in range(args.num_warmups):  # first passes are slow on many servers; not measured
             await client.send(target, requests[i % len(requests)])
-        runs = []
-        for rate in settings.rates:
-            # The same seed at every rate: the sweep varies only the rate.
-            offsets = arrival_offsets(len(requests), rate, args.burstiness, args.seed)
-            run = await run_at_rate(client, target, requests, offsets, rate, args.max_concurrency,
-                                    progress=not args.disable_tqdm)
-            summary = {"request_rate": rate_json(rate), "burstiness": args.burstiness,
-                       "max_concurrency": args.max_concurrency,
-                       **summarize(run.outcomes, run.duration_s, settings.percentiles, settings.slos)}
-            print_rate(summary, settings.percentiles)
-            runs.append((run, summary))
+        runs = [await measure_rate(client, target, requests, rate, args, settings) for rate in settings.rates]
     return target, runs
+
+
+async def measure_rate(client: ServeClient, target: Target, requests: list[ServeRequest], rate: float,
+                       args: argparse.Namespace, settings: Settings) -> tuple[RateRun, dict]:
+    """One open-loop run at `rate`, summarized and printed."""
+    # The same seed at every rate (and for every server): a sweep varies only the rate.
+    offsets = arrival_offsets(len(requests), rate, args.burstiness, args.seed)
+    run = await run_at_rate(client, target, requests, offsets, rate, args.max_concurrency,
+                            progress=not args.disable_tqdm)
+    summary = {"request_rate": rate_json(rate), "burstiness": args.burstiness,
+               "max_concurrency": args.max_concurrency,
+               **summarize(run.outcomes, run.duration_s, settings.percentiles, settings.slos)}
+    print_rate(summary, settings.percentiles)
+    return run, summary
 
 
 def _write_plots(plot_dir: str, runs: list[tuple[RateRun, dict]], tail: float) -> list[Path]:

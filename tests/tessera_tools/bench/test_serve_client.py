@@ -15,7 +15,7 @@ from tessera_tools.bench.serve.arrivals import arrival_offsets
 from tessera_tools.bench.serve.client import ServeClient
 from tessera_tools.bench.serve.dataset import ServeRequest
 from tessera_tools.bench.serve.load import run_at_rate
-from tessera_tools.bench.serve.runner import _resolve_target
+from tessera_tools.bench.serve.runner import resolve_target
 from tessera.child_process import free_port
 
 
@@ -52,7 +52,7 @@ async def scenario(port: int):
         args = argparse.Namespace(model=None, endpoint="completions", no_ignore_eos=False)
         requests = [ServeRequest(3, prompt="ok"), ServeRequest(2, prompt="fail"), ServeRequest(4, prompt="ok")]
         async with ServeClient(f"http://127.0.0.1:{port}/v1/") as client:
-            target = await _resolve_target(client, args, requests[0])
+            target = await resolve_target(client, args, requests[0])
             run = await run_at_rate(client, target, requests, arrival_offsets(3, 50.0, seed=0), 50.0, 2,
                                     progress=False)
             # Nothing listens there: the request fails, the client carries on.
