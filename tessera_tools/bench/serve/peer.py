@@ -175,10 +175,10 @@ def print_comparison(rates: list[float], by_side: dict[str, list[dict]], found: 
 def _start_tessera(settings: VLLMSettings, work: Path, stack) -> str:
     pod = stack.enter_context(EnginePodProcess(settings.model, tessera_pod_args(settings), log_path=work / "pod.log"))
     pod.wait_serving(timeout=600)
-    config = {"model": {"name": SERVED_MODEL_NAME, "path": settings.model, "max_model_len": settings.max_model_len},
-              "pods": {"static": [{"address": pod.address, "role": "mixed"}]}}
-    if not settings.max_model_len:
-        del config["model"]["max_model_len"]
+    model = {"name": SERVED_MODEL_NAME, "path": settings.model}
+    if settings.max_model_len:
+        model["max_model_len"] = settings.max_model_len
+    config = {"model": model, "pods": {"static": [{"address": pod.address, "role": "mixed"}]}}
     gateway = stack.enter_context(GatewayProcess(config, work, log_path=work / "gateway.log"))
     gateway.wait_ready(num_pods=1)
     return gateway.base_url + "/v1"
@@ -188,6 +188,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         if not args.goodput:
             raise ValueError("--peer vllm compares goodput: give the SLOs with --goodput, e.g. ttft:2000 tpot:200")
+        if not 0 < args.sustained_fraction <= 1:
+            raise ValueError(f"--sustained-fraction {args.sustained_fraction}: a share of the rate, in (0, 1]")
         peer = peer_settings(args)
         settings = parse_settings(args)
         if 99.0 not in settings.percentiles:  # the verdict compares TTFT p99

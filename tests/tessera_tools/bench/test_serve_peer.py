@@ -252,3 +252,15 @@ def test_a_peer_run_without_slos_is_refused(tiny_llama, capsys):
 
     assert main(["bench", "serve", "--peer", "vllm", "--serve-model", str(tiny_llama)]) == 2
     assert "--goodput" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sustained-fraction", "1.5"], "--sustained-fraction 1.5"),
+    (["--dtype", "float16"], "--dtype float16"),
+])
+def test_peer_values_that_cannot_work_are_refused(tiny_llama, argv, message, capsys):
+    from tessera_tools.cli import main
+
+    assert main(["bench", "serve", "--peer", "vllm", "--serve-model", str(tiny_llama), "--goodput", "ttft:100",
+                 *argv]) == 2
+    assert message in capsys.readouterr().err
