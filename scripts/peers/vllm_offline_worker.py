@@ -5,7 +5,9 @@ The parent (tessera_tools/bench/peers/vllm_peer.py) speaks JSON lines with it. T
 stdin is the engine's settings; the worker builds `vllm.LLM`, warms it up and answers
 {"ready": ...}. Each later line is {"requests": [[prompt token ids, output length], ...]}:
 the worker generates them greedily (ignore_eos, every output its exact length), timing
-`generate` alone, and answers {"seconds": s, "token_ids": [...]}; with "profile": true it runs
+`generate` alone, and answers {"seconds": s, "token_ids": [...], "cached_tokens": [...],
+"ttft_s": [...]} (per request: prompt tokens served from its prefix cache, and seconds from
+arrival to first token, null unless the settings ask for "log_stats"); with "profile": true it runs
 under torch's profiler and adds "operators": [[name, self seconds, calls], ...] (the engine must
 then run in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0). An empty line or end of
 input stops it. Its answers go to the stdout it was given; everything else it or vLLM prints
@@ -28,22 +30,29 @@ def _answer_channel():
     return channel
 
 
-def _generate(llm, params_type, prompt_type, requests) -> tuple[float, list[list[int]]]:
+def _ttft(output) -> float | None:
+    """Seconds from the request's arrival to its first token: vLLM's own per-request stat,
+    kept only when its engine logs stats (disable_log_stats=False)."""
+    return getattr(output.metrics, "first_token_latency", None) if output.metrics is not None else None
+
+
+def _generate(llm, params_type, prompt_type, requests) -> dict:
     prompts = [prompt_type(prompt_token_ids=ids) for ids, _ in requests]
     params = [params_type(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return seconds, [list(o.outputs[0].token_ids) for o in outputs]
+    return {"seconds": seconds, "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+            "cached_tokens": [o.num_cached_tokens or 0 for o in outputs], "ttft_s": [_ttft(o) for o in outputs]}
 
 
 def _profiled(llm, params_type, prompt_type, requests) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        seconds, token_ids = _generate(llm, params_type, prompt_type, requests)
-    operators = [[e.key, e.self_cpu_time_total / 1e6, e.count] for e in prof.key_averages()]
-    return {"seconds": seconds, "token_ids": token_ids, "operators": operators}
+        answer = _generate(llm, params_type, prompt_type, requests)
+    answer["operators"] = [[e.key, e.self_cpu_time_total / 1e6, e.count] for e in prof.key_averages()]
+    return answer
 
 
 def main() -> int:
@@ -59,7 +68,8 @@ def main() -> int:
     llm = LLM(model=settings["model"], dtype=settings["dtype"], max_num_seqs=settings["max_num_seqs"],
               max_num_batched_tokens=settings["max_num_batched_tokens"],
               enable_prefix_caching=settings["enable_prefix_caching"], seed=settings["seed"],
-              max_model_len=settings.get("max_model_len"))
+              max_model_len=settings.get("max_model_len"),
+              disable_log_stats=not settings.get("log_stats", False))
     _generate(llm, SamplingParams, TokensPrompt, [([5] * 64, 4)] * 4)  # warm-up, as Tessera's side does
     channel.write(json.dumps({"ready": True, "version": vllm.__version__}) + "\n")
     for line in sys.stdin:
@@ -67,11 +77,8 @@ def main() -> int:
             break
         command = json.loads(line)
         requests = command["requests"]
-        if command.get("profile"):
-            answer = _profiled(llm, SamplingParams, TokensPrompt, requests)
-        else:
-            seconds, token_ids = _generate(llm, SamplingParams, TokensPrompt, requests)
-            answer = {"seconds": seconds, "token_ids": token_ids}
+        run = _profiled if command.get("profile") else _generate
+        answer = run(llm, SamplingParams, TokensPrompt, requests)
         channel.write(json.dumps(answer) + "\n")
     return 0
 

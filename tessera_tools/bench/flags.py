@@ -42,6 +42,15 @@ def cpu_list(text: str) -> str:
     return text
 
 
+def core_count(cpus: str) -> int:
+    """Cores in a Linux CPU list that `cpu_list` accepted ("0-1" -> 2, "0,2-3" -> 3)."""
+    count = 0
+    for part in cpus.split(","):
+        first, _, last = part.partition("-")
+        count += int(last or first) - int(first) + 1
+    return count
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -95,6 +104,16 @@ def add_device_arg(p: argparse.ArgumentParser) -> None:
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=non_negative_int, default=0, help="torch threads (0: torch's default)")
+
+
+def add_offline_peer_args(group) -> None:
+    """--peer, --peer-cpus and --peer-log of the offline benchmarks run against vLLM's CPU
+    build (throughput, prefix-cache; tessera_tools/bench/peers/vllm_peer.py)."""
+    group.add_argument("--peer", choices=("vllm",), default=None,
+                       help="vLLM's CPU build (make vllm-venv) on the same requests and settings, rounds alternated")
+    group.add_argument("--peer-cpus", type=cpu_list, default="0-1",
+                       help="the cores of vLLM's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)")
+    group.add_argument("--peer-log", default=None, help="append vLLM's own output to this file")
 
 
 def add_logs_arg(p: argparse.ArgumentParser) -> None:

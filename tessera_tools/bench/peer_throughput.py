@@ -44,12 +44,16 @@ def _dtype_name(llm: LLM) -> str:
     return str(llm.config.model.dtype).removeprefix("torch.")
 
 
-def _settings(args: argparse.Namespace, llm: LLM, in_process: bool = False) -> VLLMSettings:
+def engine_settings(args: argparse.Namespace, llm: LLM, enable_prefix_caching: bool = False,
+                    in_process: bool = False, log_stats: bool = False) -> VLLMSettings:
+    """vLLM's settings from Tessera's loaded engine: its checkpoint, dtype, step budget and
+    sequence limit, context length and KV cache size (whole GiB, as vLLM takes it)."""
+    scheduler = llm.config.scheduler
     return VLLMSettings(
-        model=str(llm.config.model.path), dtype=_dtype_name(llm), max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False, seed=args.seed,
-        max_model_len=llm.config.model.max_model_len, kv_cache_gib=max(1, round(args.kv_cache_gib)),
-        cpus=args.peer_cpus, in_process=in_process)
+        model=str(llm.config.model.path), dtype=_dtype_name(llm), max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+        seed=args.seed, max_model_len=llm.config.model.max_model_len, kv_cache_gib=max(1, round(args.kv_cache_gib)),
+        cpus=args.peer_cpus, in_process=in_process, log_stats=log_stats)
 
 
 def profile_against_vllm(args: argparse.Namespace, llm: LLM, requests: list[BenchRequest], run_engine) -> dict:
@@ -58,7 +62,7 @@ def profile_against_vllm(args: argparse.Namespace, llm: LLM, requests: list[Benc
     from tessera_tools.bench.op_profile import describe, profile_ops, summarize
 
     ours = profile_ops(lambda: run_engine(llm, requests))
-    with VLLMPeer(_settings(args, llm, in_process=True), log_path=args.peer_log) as peer:
+    with VLLMPeer(engine_settings(args, llm, in_process=True), log_path=args.peer_log) as peer:
         start = time.perf_counter()
         _, operators = peer.profile(requests, PEER_GENERATE_TIMEOUT_S)
         theirs = summarize(operators, time.perf_counter() - start)
@@ -70,7 +74,7 @@ def profile_against_vllm(args: argparse.Namespace, llm: LLM, requests: list[Benc
 
 def run_against_vllm(args: argparse.Namespace, llm: LLM, requests: list[BenchRequest], run_engine) -> dict:
     """`run_engine(llm, requests)` -> (EngineRunResult, token ids): Tessera's side of a round."""
-    settings = _settings(args, llm)
+    settings = engine_settings(args, llm)
     expected = [r.output_len for r in requests]
     tessera_tps, vllm_tps = [], []
     first: dict[str, list[list[int]]] = {}

@@ -14,23 +14,37 @@ import time
 from engine_pod import LLM, SamplingParams
 from kv_store.block_hash import hash_request_tokens
 from tessera_tools.bench.common import rotated, write_report
-from tessera_tools.bench.flags import add_common_args, add_device_arg, non_negative_int, positive_float, positive_int
+from tessera_tools.bench.flags import (add_common_args, add_device_arg, add_offline_peer_args, non_negative_int,
+                                       positive_float, positive_int)
 from tessera_tools.bench.workload import BenchRequest, shared_prefix, sharegpt_like
 
 
-def _run(llm: LLM, requests: list[BenchRequest]) -> dict:
+def run_with_outputs(llm: LLM, requests: list[BenchRequest]) -> tuple[dict, list[list[int]]]:
+    """One timed greedy `generate` of the requests: its figures, and each request's output token ids."""
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params)
     seconds = time.perf_counter() - start
     ttfts = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outputs]
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {
+    figures = {
         "seconds": seconds,
         "tokens_per_second": tokens / seconds,
         "mean_ttft_s": statistics.mean(ttfts),
         "cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs),
     }
+    return figures, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _run(llm: LLM, requests: list[BenchRequest]) -> dict:
+    return run_with_outputs(llm, requests)[0]
+
+
+def _engine(args: argparse.Namespace, caching: bool) -> LLM:
+    llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=caching,
+              kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), device=args.device)
+    llm.generate([{"prompt_token_ids": [5] * 64}] * 4, SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    return llm
 
 
 def caching_cpu_seconds(requests: list[BenchRequest], block_size: int) -> float:
@@ -49,16 +63,16 @@ def caching_cpu_seconds(requests: list[BenchRequest], block_size: int) -> float:
 
 
 def main(args: argparse.Namespace) -> int:
-    engines = {
-        on: LLM(args.model, dtype=args.dtype, enable_prefix_caching=on,
-                kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), device=args.device)
-        for on in (True, False)
-    }
+    if args.peer == "vllm":
+        from tessera_tools.bench.peer_prefix_cache import run_against_vllm
+
+        write_report(run_against_vllm(args, _engine(args, True), run_with_outputs), args.output)
+        return 0
+    engines = {on: _engine(args, on) for on in (True, False)}
     tokenizer = engines[True].get_tokenizer()
     shared = shared_prefix(tokenizer, args.num_requests, args.prefix_len, args.suffix_len, args.output_len, args.seed)
     report: dict = {"shared_prefix": {}, "no_shared_prefix": {}}
     for on, llm in engines.items():
-        llm.generate([{"prompt_token_ids": [5] * 64}] * 4, SamplingParams(temperature=0.0, max_tokens=4))
         report["shared_prefix"]["on" if on else "off"] = _run(llm, shared)
     on, off = report["shared_prefix"]["on"], report["shared_prefix"]["off"]
     report["shared_prefix"]["ttft_ratio_off_over_on"] = off["mean_ttft_s"] / on["mean_ttft_s"]
@@ -95,7 +109,10 @@ def add_parser(kinds) -> None:
     p.add_argument("--suffix-len", type=non_negative_int, default=32)
     p.add_argument("--output-len", type=positive_int, default=32)
     p.add_argument("--unique-requests", type=positive_int, default=32)
-    p.add_argument("--rounds", type=positive_int, default=7, help="alternating on/off rounds without a shared prefix")
+    p.add_argument("--rounds", type=positive_int, default=7,
+                   help="alternating on/off rounds without a shared prefix (--peer: rounds of both workloads)")
     add_device_arg(p)
     p.add_argument("--kv-cache-gib", type=positive_float, default=4.0)
+    add_offline_peer_args(p.add_argument_group("peer, instead of on vs off: both engines with caching on "
+                                               "(peer_prefix_cache.py)"))
     p.set_defaults(bench_func=main)

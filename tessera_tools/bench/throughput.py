@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 
 from engine_pod import LLM, SamplingParams
 from tessera_tools.bench.common import write_report
-from tessera_tools.bench.flags import add_common_args, add_device_arg, cpu_list, positive_float, positive_int
+from tessera_tools.bench.flags import (add_common_args, add_device_arg, add_offline_peer_args, positive_float,
+                                       positive_int)
 from tessera_tools.bench.kernel_ablation import ABLATIONS
 from tessera_tools.bench.workload import BenchRequest, sharegpt_like
 
@@ -153,14 +154,10 @@ def add_parser(kinds) -> None:
                    help="instead: one generate under torch's profiler, its time by kind of operator (op_profile.py)")
     p.add_argument("--ablate", choices=ABLATIONS, default=None,
                    help="instead: this CPU kernel off and on in alternated --rounds of one engine (kernel_ablation.py)")
-    peer = p.add_argument_group("peer (docs/benchmarks.md)")
-    peer.add_argument("--peer", choices=("vllm",), default=None,
-                      help="instead of HF: vLLM's CPU build (make vllm-venv) on the same requests and settings")
+    peer = p.add_argument_group("peer, instead of HF (docs/benchmarks.md)")
+    add_offline_peer_args(peer)
     peer.add_argument("--rounds", type=positive_int, default=3,
                       help="alternated rounds of each side (--peer, --ablate)")
     peer.add_argument("--parity-requests", type=positive_int, default=20,
                       help="greedy outputs compared with the peer's on this many first requests")
-    peer.add_argument("--peer-cpus", type=cpu_list, default="0-1",
-                      help="the cores of vLLM's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)")
-    peer.add_argument("--peer-log", default=None, help="append vLLM's own output to this file")
     p.set_defaults(bench_func=main)

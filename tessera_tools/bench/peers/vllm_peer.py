@@ -9,7 +9,7 @@ import os
 import selectors
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tessera_tools.bench.workload import BenchRequest
@@ -52,12 +52,23 @@ class VLLMSettings:
     in_process: bool = False
     """Its engine core in the worker's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0), where a
     profiler around `generate` sees its operators: for --profile-ops only."""
+    log_stats: bool = False
+    """vLLM's per-request stats on (disable_log_stats=False), for each request's TTFT: a small
+    cost per step, so only where TTFT is reported (bench prefix-cache)."""
 
 
 @dataclass
 class PeerRun:
     seconds: float
     token_ids: list[list[int]]
+    cached_tokens: list[int] = field(default_factory=list)
+    """Per request: prompt tokens vLLM served from its prefix cache."""
+    ttft_s: list[float | None] = field(default_factory=list)
+    """Per request: seconds from arrival to first token (None without settings.log_stats)."""
+
+    @classmethod
+    def from_answer(cls, answer: dict) -> PeerRun:
+        return cls(answer["seconds"], answer["token_ids"], answer.get("cached_tokens", []), answer.get("ttft_s", []))
 
 
 def venv_path() -> Path:
@@ -100,14 +111,13 @@ class VLLMPeer:
         self.version = ready.get("version", "?")
 
     def generate(self, requests: list[BenchRequest], timeout_s: float) -> PeerRun:
-        answer = self._generate(requests, timeout_s, profile=False)
-        return PeerRun(answer["seconds"], answer["token_ids"])
+        return PeerRun.from_answer(self._generate(requests, timeout_s, profile=False))
 
     def profile(self, requests: list[BenchRequest], timeout_s: float) -> tuple[PeerRun, list[tuple[str, float, int]]]:
         """One generate under torch's profiler (settings.in_process), with its operators
         (name, self seconds, calls)."""
         answer = self._generate(requests, timeout_s, profile=True)
-        return PeerRun(answer["seconds"], answer["token_ids"]), [tuple(op) for op in answer["operators"]]
+        return PeerRun.from_answer(answer), [tuple(op) for op in answer["operators"]]
 
     def _generate(self, requests: list[BenchRequest], timeout_s: float, profile: bool) -> dict:
         self._send({"requests": [[r.prompt_token_ids, r.output_len] for r in requests], "profile": profile})

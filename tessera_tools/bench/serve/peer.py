@@ -26,6 +26,7 @@ from pathlib import Path
 from engine_pod.server.process import EnginePodProcess
 from gateway.process import GatewayProcess
 from tessera_tools.bench.common import markdown_table, rotated, work_dir, write_report
+from tessera_tools.bench.flags import core_count
 from tessera_tools.bench.peers.vllm_peer import VLLMSettings
 from tessera_tools.bench.peers.vllm_server import VLLMServer
 from tessera_tools.bench.serve.client import ServeClient, Target
@@ -60,15 +61,6 @@ def peer_settings(args: argparse.Namespace) -> VLLMSettings:
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
                         max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, cpus=args.peer_cpus)
-
-
-def core_count(cpus: str) -> int:
-    """Cores in a Linux CPU list ("0-1", "0,2-3")."""
-    count = 0
-    for part in cpus.split(","):
-        first, _, last = part.partition("-")
-        count += int(last or first) - int(first) + 1
-    return count
 
 
 def tessera_pod_args(settings: VLLMSettings) -> list[str]:

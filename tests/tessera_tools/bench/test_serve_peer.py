@@ -14,18 +14,18 @@ from pathlib import Path
 
 import pytest
 
+from tessera_tools.bench.flags import core_count
 from tessera_tools.bench.peers.vllm_peer import VLLMSettings
 from tessera_tools.bench.peers.vllm_server import SERVER_MODULE, VLLMServer, http_status, serve_argv
 from tessera_tools.bench.serve.peer import (
     checkpoint_dtype,
-    core_count,
     median_of_rounds,
     sustains,
     tessera_pod_args,
     verdict,
 )
 
-HARMLESS_LIBRARY = Path("/lib/x86_64-linux-gnu/libm.so.6")
+from .conftest import HARMLESS_LIBRARY
 
 FAKE_SERVER = r'''
 import argparse, json, os, subprocess, sys, time

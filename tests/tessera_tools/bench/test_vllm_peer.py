@@ -7,71 +7,14 @@ takes these arguments."""
 from __future__ import annotations
 
 import json
-import os
-import sys
-from pathlib import Path
 
 import pytest
-import torch
 
 from tessera_tools.bench.peer_throughput import comparison, parity
 from tessera_tools.bench.peers.vllm_peer import VLLMPeer, VLLMSettings
 from tessera_tools.bench.workload import BenchRequest
 
-# A library every Linux process already maps: harmless to preload in place of tcmalloc and libiomp5.
-HARMLESS_LIBRARY = Path("/lib/x86_64-linux-gnu/libm.so.6")
-
-FAKE_VLLM = '''
-import json, os, sys, time
-__version__ = "0.0-fake"
-
-class SamplingParams:
-    def __init__(self, temperature, max_tokens, ignore_eos):
-        self.max_tokens = max_tokens
-
-class LLM:
-    def __init__(self, **settings):
-        print("a log line on stdout")  # must not be taken for an answer
-        with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
-            env = {k: os.environ[k] for k in ("LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE",
-                                              "VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING")
-                   if k in os.environ}
-            json.dump({"settings": settings, "env": env,
-                       "tessera_vars": sorted(k for k in os.environ if k.startswith("TESSERA_"))}, f)
-
-    def generate(self, prompts, params, use_tqdm):
-        print("another log line")
-        if params[0].max_tokens == 999:
-            time.sleep(60)
-        if params[0].max_tokens == 998:
-            sys.exit(3)
-        return [_Output(p["prompt_token_ids"], q.max_tokens) for p, q in zip(prompts, params)]
-
-class _Output:
-    def __init__(self, prompt, n):
-        self.outputs = [type("Completion", (), {"token_ids": [(sum(prompt) + i) % 97 for i in range(n)]})]
-'''
-
-
-@pytest.fixture
-def fake_vllm(tmp_path, monkeypatch):
-    """A virtual environment whose python sees the stand-in vllm package."""
-    site = tmp_path / "site"
-    (site / "vllm").mkdir(parents=True)
-    (site / "vllm" / "__init__.py").write_text(FAKE_VLLM)
-    (site / "vllm" / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n"
-                                              "    return {'prompt_token_ids': prompt_token_ids}\n")
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "lib").mkdir()
-    (venv / "bin" / "python").symlink_to(sys.executable)
-    (venv / "lib" / "libiomp5.so").symlink_to(HARMLESS_LIBRARY)
-    # The stand-in, and torch (a real vLLM environment has its own) for the profiled generate.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(Path(torch.__file__).parents[1])]))
-    monkeypatch.setenv("FAKE_VLLM_RECORD", str(tmp_path / "record.json"))
-    monkeypatch.setenv("TESSERA_INTERNAL_SECRET", "not-for-the-peer-" + "x" * 32)
-    return venv, tmp_path / "record.json"
-
+from .conftest import HARMLESS_LIBRARY
 
 def _settings(**overrides) -> VLLMSettings:
     fields = {"model": "/models/bench", "dtype": "float32", "max_num_seqs": 256, "max_num_batched_tokens": 2048,
@@ -86,10 +29,11 @@ def test_the_peer_generates_the_requests_with_vllms_cpu_setup(fake_vllm, tmp_pat
         run = peer.generate(requests, timeout_s=30)
         assert peer.version == "0.0-fake"
     assert run.token_ids == [[6, 7, 8, 9], [70, 71]] and run.seconds >= 0
+    assert run.cached_tokens == [1, 5] and run.ttft_s == [None, None], "no stats unless asked for"
     seen = json.loads(record.read_text())
     assert seen["settings"] == {"model": "/models/bench", "dtype": "float32", "max_num_seqs": 256,
                                 "max_num_batched_tokens": 2048, "enable_prefix_caching": False, "seed": 0,
-                                "max_model_len": 2048}
+                                "max_model_len": 2048, "disable_log_stats": True}
     assert seen["env"] == {"LD_PRELOAD": f"{HARMLESS_LIBRARY} {venv / 'lib' / 'libiomp5.so'}",
                            "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     assert seen["tessera_vars"] == [], "no Tessera variable (the internal secret) reaches the peer"
@@ -171,3 +115,11 @@ def test_the_peers_cores_are_checked_before_anything_starts(cpus, ok):
     else:
         with pytest.raises(argparse.ArgumentTypeError, match="expected cores like 0-1"):
             cpu_list(cpus)
+
+
+def test_with_log_stats_the_peer_reports_each_requests_ttft(fake_vllm):
+    venv, record = fake_vllm
+    with VLLMPeer(_settings(log_stats=True, enable_prefix_caching=True), venv=venv, tcmalloc=HARMLESS_LIBRARY) as peer:
+        run = peer.generate([BenchRequest([1, 2, 3, 4], 2)], timeout_s=30)
+    assert run.ttft_s == [0.25] and run.cached_tokens == [2]
+    assert json.loads(record.read_text())["settings"]["disable_log_stats"] is False
