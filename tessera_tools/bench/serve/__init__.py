@@ -41,8 +41,10 @@ def add_parser(kinds) -> None:
     p = kinds.add_parser("serve", help="latency and throughput of an OpenAI-compatible endpoint under load")
     target = p.add_argument_group("target")
     target.add_argument("--base-url", default=None, help="the API root, e.g. http://127.0.0.1:8000/v1")
-    target.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY, else none)")
-    target.add_argument("--model", default=None, help="model name to request (default: the first of GET /models)")
+    target.add_argument("--api-key", default=None,
+                        help="bearer token (default: $OPENAI_API_KEY, else none; --peer: not used)")
+    target.add_argument("--model", default=None,
+                        help="model name to request (default: the first of GET /models; --peer: not used)")
     target.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                         help="/v1/completions (text prompt) or /v1/chat/completions (messages)")
     target.add_argument("--no-ignore-eos", action="store_true",
