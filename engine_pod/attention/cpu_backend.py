@@ -9,8 +9,9 @@ one will do; paged_decode.cpp reads K/V straight from the paged cache.
 Prefill chunks: torch's CPU SDPA multiplies one query head's small tile at a
 time; prefill_attention.cpp stacks the query heads of each KV head and runs
 each block of queries as two GEMMs (bf16 dot products into float on AVX-512
-BF16, else float32). A chunk after cached context
-attends over that context gathered from the cache, as in the torch backend.
+BF16, else float32). A chunk after cached context reads that context from the
+paged cache through its block table (prefill_attention_paged): with a long
+shared prefix, a gathered copy per chunk and layer cost as much as the GEMMs.
 float64 engines keep the torch path (the kernel computes in float32).
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from engine_pod.attention.abstract import AttentionMetadata
-from engine_pod.attention.torch_backend import TorchAttentionBackend, gather_blocks
+from engine_pod.attention.torch_backend import TorchAttentionBackend
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -37,12 +38,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if q.dtype == torch.float64:
             return TorchAttentionBackend._prefill(i, q, k_new, v_new, kv_cache, md, scale, gqa)
         seq_len = int(md.seq_lens_cpu[i])
-        if seq_len == q.shape[0]:  # nothing cached before the chunk: its own keys are all there is
-            k, v = k_new, v_new
-        else:
-            blocks = md.block_table[i, : -(-seq_len // md.block_size)]
-            k = gather_blocks(kv_cache[0], blocks, 1)[0, :seq_len]
-            v = gather_blocks(kv_cache[1], blocks, 1)[0, :seq_len]
         out = torch.empty_like(q)
-        torch.ops.tessera_cpu.prefill_attention(q, k, v, scale, out)
+        if seq_len == q.shape[0]:  # nothing cached before the chunk: its own keys are all there is
+            torch.ops.tessera_cpu.prefill_attention(q, k_new, v_new, scale, out)
+        else:  # the context (the chunk's own keys already written) read from the cache in place
+            torch.ops.tessera_cpu.prefill_attention_paged(q, kv_cache[0], kv_cache[1], md.block_table[i], seq_len,
+                                                          scale, out)
         return out

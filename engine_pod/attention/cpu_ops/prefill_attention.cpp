@@ -38,6 +38,29 @@ at::Tensor matrix(float* data, int64_t rows, int64_t cols) {
   return at::from_blob(data, {rows, cols}, at::TensorOptions().dtype(at::kFloat));
 }
 
+// Where key (or value) position c of KV head h lies: a contiguous [len, Hkv, D]
+// tensor (blocks == nullptr), or the paged cache [blocks, block_size, Hkv, D]
+// through one sequence's block table, read in place (no gathered copy).
+template <typename T>
+struct Rows {
+  const T* base;
+  const int64_t* blocks;
+  int64_t block_size, block_stride, token_stride, head_stride;
+
+  static Rows contiguous(const at::Tensor& t) {
+    return {t.data_ptr<T>(), nullptr, 1, 0, t.stride(0), t.stride(1)};
+  }
+  static Rows paged(const at::Tensor& cache, const at::Tensor& block_table_row) {
+    return {cache.data_ptr<T>(), block_table_row.data_ptr<int64_t>(), cache.size(1), cache.stride(0),
+            cache.stride(1), cache.stride(2)};
+  }
+  const T* at(int64_t c, int64_t h) const {
+    const int64_t token = blocks ? blocks[c / block_size] * block_stride + (c % block_size) * token_stride
+                                 : c * token_stride;
+    return base + token + h * head_stride;
+  }
+};
+
 // The two GEMMs in float32 through torch's BLAS: q, k and v widened once.
 struct FloatGemms {
   using prob_t = float;
@@ -71,31 +94,37 @@ template <int64_t kDim>
 struct Bf16Gemms {
   using prob_t = at::BFloat16;
   static constexpr int64_t kPairs = kDim / 2, kKeyTile = 16, kDimBlocks = kDim / 16;
-  // Rows per micro-tile: enough accumulators to hide latency, within the 32 registers.
-  static constexpr int64_t kValueRows = 16 / kDimBlocks, kScoreRows = 4;
+  // Rows per micro-tile: enough independent accumulators to hide the dot product's latency,
+  // within the 32 registers (scores: 8 rows x 2 key tiles).
+  static constexpr int64_t kValueRows = 16 / kDimBlocks, kScoreRows = 8;
   const at::BFloat16* q;  // [Hkv, n * G, D]
   int64_t q_rows, len;
   std::vector<uint16_t> k_packed, v_packed;  // per KV head: key tiles of [pair][key][2]; key pairs of [d][2]
 
-  Bf16Gemms(const at::Tensor& grouped_query, const at::Tensor& key, const at::Tensor& value)
-      : q(grouped_query.data_ptr<at::BFloat16>()), q_rows(grouped_query.size(1)), len(key.size(0)) {
-    const int64_t heads = key.size(1), tiles = (len + kKeyTile - 1) / kKeyTile, key_pairs = (len + 1) / 2;
-    k_packed.assign(heads * tiles * kPairs * kKeyTile * 2, 0);
+  Bf16Gemms(const at::Tensor& grouped_query, const Rows<at::BFloat16>& key, const Rows<at::BFloat16>& value,
+            int64_t heads, int64_t len)
+      : q(grouped_query.data_ptr<at::BFloat16>()), q_rows(grouped_query.size(1)), len(len) {
+    const int64_t tiles = (len + kKeyTile - 1) / kKeyTile, key_pairs = (len + 1) / 2;
+    // One zero tile past the last head: the scores loop reads key tiles in pairs.
+    k_packed.assign((heads * tiles + 1) * kPairs * kKeyTile * 2, 0);
     v_packed.assign(heads * key_pairs * kDim * 2, 0);
-    const at::BFloat16* k = key.data_ptr<at::BFloat16>();
-    const at::BFloat16* v = value.data_ptr<at::BFloat16>();
-    for (int64_t h = 0; h < heads; ++h) {
-      uint16_t* kp = k_packed.data() + h * tiles * kPairs * kKeyTile * 2;
-      uint16_t* vp = v_packed.data() + h * key_pairs * kDim * 2;
-      for (int64_t c = 0; c < len; ++c) {
-        const at::BFloat16* krow = k + c * key.stride(0) + h * key.stride(1);
-        const at::BFloat16* vrow = v + c * value.stride(0) + h * value.stride(1);
-        uint16_t* ktile = kp + (c / kKeyTile) * kPairs * kKeyTile * 2 + (c % kKeyTile) * 2;
-        for (int64_t d = 0; d < kDim; ++d) ktile[(d / 2) * kKeyTile * 2 + d % 2] = krow[d].x;
-        uint16_t* vpair = vp + (c / 2) * kDim * 2 + c % 2;
-        for (int64_t d = 0; d < kDim; ++d) vpair[d * 2] = vrow[d].x;
+    // Each head's keys and values are packed by one thread; a key's (d, d + 1) pair moves as one
+    // 32-bit word.
+    at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t h = begin; h < end; ++h) {
+        uint32_t* kp = reinterpret_cast<uint32_t*>(k_packed.data()) + h * tiles * kPairs * kKeyTile;
+        uint16_t* vp = v_packed.data() + h * key_pairs * kDim * 2;
+        for (int64_t c = 0; c < len; ++c) {
+          uint32_t krow[kPairs];
+          std::memcpy(krow, key.at(c, h), sizeof(krow));
+          uint32_t* ktile = kp + (c / kKeyTile) * kPairs * kKeyTile + c % kKeyTile;
+          for (int64_t i = 0; i < kPairs; ++i) ktile[i * kKeyTile] = krow[i];
+          const uint16_t* vrow = reinterpret_cast<const uint16_t*>(value.at(c, h));
+          uint16_t* vpair = vp + (c / 2) * kDim * 2 + c % 2;
+          for (int64_t d = 0; d < kDim; ++d) vpair[d * 2] = vrow[d];
+        }
       }
-    }
+    });
   }
 
   // Probabilities rows padded to an even count of keys (the pairs the dot products read).
@@ -105,23 +134,31 @@ struct Bf16Gemms {
     const int64_t tiles_per_head = (len + kKeyTile - 1) / kKeyTile;
     const uint16_t* kp = k_packed.data() + h * tiles_per_head * kPairs * kKeyTile * 2;
     const uint16_t* qh = reinterpret_cast<const uint16_t*>(q) + (h * q_rows + row0) * kDim;
+    const int64_t tile_elems = kPairs * kKeyTile * 2;
     for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
       const int64_t nr = std::min(kScoreRows, rows - r0);
-      for (int64_t tile = 0; tile * kKeyTile < keys; ++tile) {
-        __m512 acc[kScoreRows] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        const uint16_t* kt = kp + tile * kPairs * kKeyTile * 2;
+      for (int64_t tile = 0; tile * kKeyTile < keys; tile += 2) {
+        __m512 acc[kScoreRows][2];
+        for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
+        const uint16_t* kt = kp + tile * tile_elems;
         for (int64_t i = 0; i < kPairs; ++i) {
-          const __m512i kv = _mm512_loadu_si512(kt + i * kKeyTile * 2);
+          const __m512i k0 = _mm512_loadu_si512(kt + i * kKeyTile * 2);
+          const __m512i k1 = _mm512_loadu_si512(kt + tile_elems + i * kKeyTile * 2);
           for (int64_t r = 0; r < kScoreRows; ++r) {
             if (r >= nr) break;
             int32_t pair;
             std::memcpy(&pair, qh + (r0 + r) * kDim + 2 * i, sizeof(pair));
-            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)kv);
+            const __m512bh q = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], q, (__m512bh)k0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], q, (__m512bh)k1);
           }
         }
-        const int64_t width = std::min(kKeyTile, keys - tile * kKeyTile);
-        const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
-        for (int64_t r = 0; r < nr; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * keys + tile * kKeyTile, mask, acc[r]);
+        for (int64_t half = 0; half < 2 && (tile + half) * kKeyTile < keys; ++half) {
+          const int64_t width = std::min(kKeyTile, keys - (tile + half) * kKeyTile);
+          const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
+          for (int64_t r = 0; r < nr; ++r)
+            _mm512_mask_storeu_ps(out + (r0 + r) * keys + (tile + half) * kKeyTile, mask, acc[r][half]);
+        }
       }
     }
   }
@@ -208,20 +245,55 @@ void prefill_blocks(const Gemms& gemms, int64_t n, int64_t len, int64_t num_head
   });
 }
 
+// [Hkv, n * G, D]: the G query heads of a KV head, token after token, as one matrix.
+at::Tensor grouped_query(const at::Tensor& query, int64_t num_kv_heads) {
+  const int64_t n = query.size(0), group = query.size(1) / num_kv_heads, dim = query.size(2);
+  return query.view({n, num_kv_heads, group, dim}).permute({1, 0, 2, 3}).contiguous()
+      .view({num_kv_heads, n * group, dim});
+}
+
+// Whether the bf16 dot-product GEMMs run this query (else the float32 ones).
+bool bf16_gemms(const at::Tensor& query) {
+#if defined(__AVX512BF16__)
+  return query.scalar_type() == at::kBFloat16 && (query.size(2) == 64 || query.size(2) == 128);
+#else
+  return false;
+#endif
+}
+
+// The bf16 path, keys and values read through `key` and `value` (len positions of Hkv heads).
+void bf16_prefill(const at::Tensor& query, const Rows<at::BFloat16>& key, const Rows<at::BFloat16>& value,
+                  int64_t num_kv_heads, int64_t len, double scale, at::Tensor& out) {
+#if defined(__AVX512BF16__)
+  const int64_t n = query.size(0), num_heads = query.size(1), dim = query.size(2);
+  const at::Tensor grouped = grouped_query(query, num_kv_heads);
+  if (dim == 64)
+    return prefill_blocks(Bf16Gemms<64>(grouped, key, value, num_kv_heads, len), n, len, num_heads, num_kv_heads,
+                          dim, scale, out);
+  return prefill_blocks(Bf16Gemms<128>(grouped, key, value, num_kv_heads, len), n, len, num_heads, num_kv_heads,
+                        dim, scale, out);
+#endif
+}
+
 void prefill_kernel(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale,
                     at::Tensor& out) {
   const int64_t n = query.size(0), num_heads = query.size(1), dim = query.size(2);
-  const int64_t len = key.size(0), num_kv_heads = key.size(1), group = num_heads / num_kv_heads;
-  // [Hkv, n * G, D]: the G query heads of a KV head, token after token, as one matrix.
-  const at::Tensor grouped = query.view({n, num_kv_heads, group, dim}).permute({1, 0, 2, 3}).contiguous()
-                                 .view({num_kv_heads, n * group, dim});
-#if defined(__AVX512BF16__)
-  if (query.scalar_type() == at::kBFloat16 && dim == 64)
-    return prefill_blocks(Bf16Gemms<64>(grouped, key, value), n, len, num_heads, num_kv_heads, dim, scale, out);
-  if (query.scalar_type() == at::kBFloat16 && dim == 128)
-    return prefill_blocks(Bf16Gemms<128>(grouped, key, value), n, len, num_heads, num_kv_heads, dim, scale, out);
-#endif
-  prefill_blocks(FloatGemms(grouped, key, value), n, len, num_heads, num_kv_heads, dim, scale, out);
+  const int64_t len = key.size(0), num_kv_heads = key.size(1);
+  if (bf16_gemms(query)) {
+    const at::Tensor k = key.stride(2) == 1 ? key : key.contiguous(), v = value.stride(2) == 1 ? value : value.contiguous();
+    return bf16_prefill(query, Rows<at::BFloat16>::contiguous(k), Rows<at::BFloat16>::contiguous(v), num_kv_heads,
+                        len, scale, out);
+  }
+  prefill_blocks(FloatGemms(grouped_query(query, num_kv_heads), key, value), n, len, num_heads, num_kv_heads, dim,
+                 scale, out);
+}
+
+void check_query_and_out(const at::Tensor& query, const at::Tensor& out, const char* op) {
+  TORCH_CHECK(query.dim() == 3, op, ": query [n, Hq, D] expected");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+              op, ": out must be a contiguous tensor shaped like query");
+  TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu(), op, ": CPU tensors expected");
+  TORCH_CHECK(query.scalar_type() != at::kDouble, op, ": float32, bfloat16 or float16 expected");
 }
 
 // out [n, Hq, D] = causal softmax(scale * q k^T) v, query i seeing keys 0 ..
@@ -233,21 +305,61 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& key, const at:
   TORCH_CHECK(key.sizes() == value.sizes() && query.size(2) == key.size(2) && query.size(1) % key.size(1) == 0,
               "prefill_attention: key and value must match, and query heads be a multiple of KV heads");
   TORCH_CHECK(key.size(0) >= query.size(0), "prefill_attention: fewer keys than queries");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
-              "prefill_attention: out must be a contiguous tensor shaped like query");
   TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
               "prefill_attention: query, key and value must share a dtype");
-  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(),
-              "prefill_attention: CPU tensors expected");
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu(), "prefill_attention: CPU tensors expected");
   if (query.size(0) == 0) return;
-  TORCH_CHECK(query.scalar_type() != at::kDouble, "prefill_attention: float32, bfloat16 or float16 expected");
+  check_query_and_out(query, out, "prefill_attention");
   prefill_kernel(query, key, value, scale, out);
+}
+
+// The same for a chunk after cached context, its keys and values (the chunk's own
+// included) read from the paged cache [blocks, block_size, Hkv, D] through the
+// sequence's block-table row: out [n, Hq, D], query i seeing positions 0 ..
+// seq_len - n + i.
+void prefill_attention_paged(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& block_table_row, int64_t seq_len, double scale, at::Tensor out) {
+  const char* op = "prefill_attention_paged";
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(), op,
+              ": query [n, Hq, D] and caches [blocks, block_size, Hkv, D] of one shape expected");
+  TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(1) % key_cache.size(2) == 0, op,
+              ": query and cache head sizes differ, or query heads are not a multiple of KV heads");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(), op,
+              ": query and caches must share a dtype");
+  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.strides() == key_cache.strides(), op,
+              ": the caches' head dimension must be contiguous, and both laid out alike");
+  TORCH_CHECK(block_table_row.dim() == 1 && block_table_row.scalar_type() == at::kLong &&
+              block_table_row.is_contiguous(), op, ": block_table_row must be a contiguous int64 vector");
+  TORCH_CHECK(seq_len >= query.size(0), op, ": seq_len is shorter than the chunk");
+  const int64_t block_size = key_cache.size(1), num_blocks = (seq_len + block_size - 1) / block_size;
+  TORCH_CHECK(block_table_row.size(0) >= num_blocks, op, ": the block-table row is shorter than seq_len");
+  const int64_t* blocks = block_table_row.data_ptr<int64_t>();
+  for (int64_t b = 0; b < num_blocks; ++b)
+    TORCH_CHECK(blocks[b] >= 0 && blocks[b] < key_cache.size(0), op, ": block id ", blocks[b], " outside the cache");
+  TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu(), op, ": CPU tensors expected");
+  if (query.size(0) == 0) return;
+  check_query_and_out(query, out, op);
+  const int64_t num_kv_heads = key_cache.size(2);
+  if (bf16_gemms(query))
+    return bf16_prefill(query, Rows<at::BFloat16>::paged(key_cache, block_table_row),
+                        Rows<at::BFloat16>::paged(value_cache, block_table_row), num_kv_heads, seq_len, scale, out);
+  // Elsewhere the float32 GEMMs take the context gathered into one tensor.
+  const at::Tensor ids = block_table_row.narrow(0, 0, num_blocks);
+  auto gather = [&](const at::Tensor& cache) {
+    return cache.index_select(0, ids).view({num_blocks * block_size, num_kv_heads, cache.size(3)}).narrow(0, 0, seq_len);
+  };
+  prefill_kernel(query, gather(key_cache), gather(value_cache), scale, out);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tessera_cpu, m) {
   m.def("prefill_attention(Tensor query, Tensor key, Tensor value, float scale, Tensor(a!) out) -> ()");
+  m.def("prefill_attention_paged(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table_row, "
+        "int seq_len, float scale, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
+TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
+  m.impl("prefill_attention", &prefill_attention);
+  m.impl("prefill_attention_paged", &prefill_attention_paged);
+}

@@ -45,3 +45,13 @@ def arrival_offsets(num_requests: int, rate: float, burstiness: float = 1.0, see
         offsets.append(clock)
         clock += rng.gammavariate(burstiness, scale)
     return offsets
+
+
+def offered_rate(offsets: list[float], rate: float) -> float | None:
+    """The rate the drawn arrivals actually offer: gaps per second between the first and the last.
+    A finite Poisson draw strays from its nominal rate (about 1/sqrt(n)), so whether a server kept
+    up is judged against this; None for an infinite rate or fewer than two arrivals."""
+    span = offsets[-1] - offsets[0] if offsets else 0.0
+    if math.isinf(rate) or span <= 0:
+        return None
+    return (len(offsets) - 1) / span

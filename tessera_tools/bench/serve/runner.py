@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tessera_tools.bench.serve.arrivals import arrival_offsets, parse_rates
+from tessera_tools.bench.serve.arrivals import arrival_offsets, offered_rate, parse_rates
 from tessera_tools.bench.serve.client import ServeClient, Target
 from tessera_tools.bench.serve.dataset import (
     ServeRequest,
@@ -120,8 +120,8 @@ async def measure_rate(client: ServeClient, target: Target, requests: list[Serve
     offsets = arrival_offsets(len(requests), rate, args.burstiness, args.seed)
     run = await run_at_rate(client, target, requests, offsets, rate, args.max_concurrency,
                             progress=not args.disable_tqdm)
-    summary = {"request_rate": rate_json(rate), "burstiness": args.burstiness,
-               "max_concurrency": args.max_concurrency,
+    summary = {"request_rate": rate_json(rate), "offered_rate": offered_rate(offsets, rate),
+               "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
                **summarize(run.outcomes, run.duration_s, settings.percentiles, settings.slos)}
     print_rate(summary, settings.percentiles)
     return run, summary

@@ -109,6 +109,46 @@ def test_bad_prefill_arguments_are_refused_with_a_message(change, message):
         torch.ops.tessera_cpu.prefill_attention(**change(args))
 
 
+def _paged_prefill_args(dtype=torch.float32):
+    """A 5-token chunk after 11 cached positions: 16 positions in blocks 3, 0 (block size 8)."""
+    cache = torch.randn(2, 4, 8, 2, 64).to(dtype)
+    return {"query": torch.randn(5, 8, 64).to(dtype), "key_cache": cache[0], "value_cache": cache[1],
+            "block_table_row": torch.tensor([3, 0, 0]), "seq_len": 16, "scale": 0.125,
+            "out": torch.empty(5, 8, 64).to(dtype)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_paged_prefill_reads_its_context_through_the_block_table(dtype):
+    """prefill_attention_paged (in place, bf16; gathered, float32) equals prefill_attention over the
+    context gathered by hand, and reads no block the table does not name."""
+    args = _paged_prefill_args(dtype)
+    args["key_cache"][1:3] = float("nan")  # blocks outside the table: a read of one would show
+    args["value_cache"][1:3] = float("nan")
+    torch.ops.tessera_cpu.prefill_attention_paged(**args)
+    k = args["key_cache"][[3, 0]].reshape(16, 2, 64)
+    v = args["value_cache"][[3, 0]].reshape(16, 2, 64)
+    expected = torch.empty_like(args["out"])
+    torch.ops.tessera_cpu.prefill_attention(args["query"], k, v, 0.125, expected)
+    assert not args["out"].isnan().any()
+    assert torch.equal(args["out"], expected)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: {**a, "block_table_row": torch.tensor([3, 9])}, "block id 9 outside the cache"),
+    (lambda a: {**a, "block_table_row": torch.tensor([3, -1])}, "block id -1 outside the cache"),
+    (lambda a: {**a, "block_table_row": torch.tensor([3])}, "shorter than seq_len"),
+    (lambda a: {**a, "block_table_row": torch.tensor([3, 0], dtype=torch.int32)}, "contiguous int64 vector"),
+    (lambda a: {**a, "seq_len": 4}, "seq_len is shorter than the chunk"),
+    (lambda a: {**a, "value_cache": a["value_cache"].half()}, "must share a dtype"),
+    (lambda a: {**a, "value_cache": a["value_cache"][:3]}, "of one shape expected"),
+    (lambda a: {**a, "query": a["query"][:, :3]}, "not a multiple of KV heads"),
+    (lambda a: {**a, "out": a["out"][:, :1]}, "out must be a contiguous tensor shaped like query"),
+])
+def test_bad_paged_prefill_arguments_are_refused_with_a_message(change, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.tessera_cpu.prefill_attention_paged(**change(_paged_prefill_args()))
+
+
 def test_the_build_hashes_the_headers_its_sources_include():
     from engine_pod.attention.cpu_ops import build
 

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from tessera_tools.bench.serve.arrivals import arrival_offsets, parse_rates
+from tessera_tools.bench.serve.arrivals import arrival_offsets, offered_rate, parse_rates
 
 
 def gaps(offsets: list[float]) -> list[float]:
@@ -42,6 +42,15 @@ def test_gamma_keeps_the_rate_and_bursts_more():
 
 def test_infinite_rate_sends_everything_at_once():
     assert arrival_offsets(5, rate=math.inf) == [0.0] * 5
+
+
+def test_the_offered_rate_is_the_drawn_schedules():
+    offsets = arrival_offsets(50, rate=10, seed=3)
+    offered = offered_rate(offsets, 10)
+    assert offered == pytest.approx(49 / offsets[-1])
+    assert offered != pytest.approx(10, rel=1e-3)  # a short draw strays from the nominal rate
+    assert offered_rate([0.0, 0.5, 1.0], 3) == 2.0
+    assert offered_rate([0.0] * 5, math.inf) is None and offered_rate([0.0], 4) is None
 
 
 def test_rate_parsing():

@@ -181,6 +181,9 @@ def test_a_rate_is_sustained_when_nothing_failed_and_the_throughput_kept_up():
     assert not sustains(_figures(1.7, 1.0, 100), 2.0, 0.9)
     assert not sustains(_figures(1.9, 1.0, 100, failed=1), 2.0, 0.9)
     assert not sustains(_figures(50.0, 1.0, 100), float("inf"), 0.9)
+    # Judged against what the drawn arrivals offered: 1.7 req/s keeps up with a draw of 1.8.
+    assert sustains({**_figures(1.7, 1.0, 100), "offered_rate": 1.8}, 2.0, 0.9)
+    assert not sustains({**_figures(1.9, 1.0, 100), "offered_rate": 2.4}, 2.0, 0.9)
 
 
 def test_rounds_give_medians_and_the_worst_failure_count():
