@@ -8,6 +8,10 @@ on the model's own shapes, side by side in one run.
 - prefill attention over all layers for one fresh chunk of several lengths:
   the torch backend (SDPA) against the cpu backend's kernel (the query heads
   of each KV head stacked, two GEMMs per block of queries);
+- a shared-prefix step over all layers (`bench prefix-cache`'s shape): many
+  requests' short chunks after one long cached prefix held in the same
+  blocks, then as many decodes over it; there the context is read from
+  cache, not memory, and the kernels' arithmetic sets the time;
 - the layers' element-wise work (RMSNorm with the residual add, rotary
   embedding, SiLU-times-up; one layer's worth, times the layers) at several
   token counts: torch's operator chain against the C++ kernels;
@@ -31,7 +35,7 @@ import torch
 from engine_pod.attention.abstract import AttentionMetadata
 from engine_pod.model.hf_config import load_arch_config, parse_dtype
 from tessera_tools.bench.common import write_report
-from tessera_tools.bench.flags import add_common_args, int_at_least, positive_int, positive_int_list
+from tessera_tools.bench.flags import add_common_args, int_at_least, non_negative_int, positive_int, positive_int_list
 from tessera_tools.bench.stats import best_of
 
 
@@ -132,6 +136,68 @@ def bench_prefill(arch, dtype, lengths, block_size, repeats, gen) -> list[dict]:
         rows.append(row)
         print(f"prefill attention, a fresh chunk of {length:5d} tokens: torch (SDPA) {row['torch_ms']:8.1f} ms, "
               f"cpu kernel {row['cpu_ms']:7.1f} ms ({row['speedup']:.1f}x)", flush=True)
+    return rows
+
+
+def _shared_prefix_step(arch, requests: int, prefix: int, new: int, block_size: int, dtype, gen):
+    """`requests` sequences that share the full blocks of a `prefix`-token prompt prefix (what a
+    prefix-cache hit shares) and hold the rest of their context (the chunk and one decoded token)
+    in blocks of their own; one cache for all layers."""
+    shared_blocks = prefix // block_size
+    own_blocks = -(-(prefix + new + 1 - shared_blocks * block_size) // block_size)
+    num_blocks = shared_blocks + requests * own_blocks
+    table = np.zeros((requests, shared_blocks + own_blocks), dtype=np.int64)
+    table[:, :shared_blocks] = np.arange(shared_blocks)
+    table[:, shared_blocks:] = shared_blocks + np.arange(requests * own_blocks).reshape(requests, own_blocks)
+    cache = torch.randn(2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim, generator=gen).to(dtype)
+    return table, cache
+
+
+def _metadata(table: np.ndarray, q_lens: np.ndarray, seq_lens: np.ndarray, block_size: int) -> AttentionMetadata:
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+    positions = [np.arange(s - q, s) for q, s in zip(q_lens, seq_lens)]
+    slots = np.concatenate([table[i, pos // block_size] * block_size + pos % block_size
+                            for i, pos in enumerate(positions)])
+    return AttentionMetadata(int(qsl[-1]), int((q_lens == 1).sum()), torch.from_numpy(slots), torch.from_numpy(qsl),
+                             torch.from_numpy(seq_lens.astype(np.int64)), torch.from_numpy(table), qsl,
+                             seq_lens.astype(np.int64), block_size)
+
+
+def bench_shared_prefix(arch, dtype, requests: int, prefix: int, new: int, block_size: int, repeats: int,
+                        gen) -> list[dict]:
+    """The prefill step (every request's `new`-token chunk) and then the decode step, each over all
+    layers, torch backend against cpu backend."""
+    from engine_pod.attention.cpu_backend import CpuAttentionBackend
+    from engine_pod.attention.torch_backend import TorchAttentionBackend
+
+    table, cache = _shared_prefix_step(arch, requests, prefix, new, block_size, dtype, gen)
+    steps = {"prefill": (np.full(requests, new), np.full(requests, prefix + new)),
+             "decode": (np.ones(requests, dtype=np.int64), np.full(requests, prefix + new + 1))}
+    rows, scale = [], arch.head_dim**-0.5
+    for kind, (q_lens, seq_lens) in steps.items():
+        md = _metadata(table, q_lens, seq_lens, block_size)
+        tokens = md.num_actual_tokens
+        q = torch.randn(tokens, arch.num_attention_heads, arch.head_dim, generator=gen).to(dtype)
+        kv = torch.randn(tokens, arch.num_key_value_heads, arch.head_dim, generator=gen).to(dtype)
+        row: dict = {"step": kind, "requests": requests, "prefix": prefix, "new": new}
+        outputs = []
+        for backend in (TorchAttentionBackend(), CpuAttentionBackend()):
+            md.backend_cache.clear()
+            outputs.append(backend.forward(q, kv, kv, cache, md, scale))
+            def step(backend=backend):
+                md.backend_cache.clear()
+                for _ in range(arch.num_hidden_layers):
+                    backend.forward(q, kv, kv, cache, md, scale)
+            row[f"{backend.name}_ms"] = best_of(step, repeats) * 1e3
+        row["max_abs_diff"] = float((outputs[0].double() - outputs[1].double()).abs().max())
+        if not torch.allclose(outputs[0].double(), outputs[1].double(), rtol=_tolerance(dtype), atol=_tolerance(dtype)):
+            raise RuntimeError(f"shared prefix, {kind}: the cpu kernels and the torch backend disagree "
+                               f"(max |diff| {row['max_abs_diff']:.3g})")
+        row["speedup"] = row["torch_ms"] / row["cpu_ms"]
+        rows.append(row)
+        what = f"{requests} chunks of {new}" if kind == "prefill" else f"{requests} decodes"
+        print(f"shared {prefix}-token prefix, {what}: torch {row['torch_ms']:8.1f} ms, cpu kernels "
+              f"{row['cpu_ms']:7.1f} ms ({row['speedup']:.1f}x)", flush=True)
     return rows
 
 
@@ -248,6 +314,8 @@ def main(args: argparse.Namespace) -> int:
         "dtype": str(dtype), "threads": torch.get_num_threads(),
         "attention": bench_attention(arch, dtype, args.batches, args.context, args.block_size, args.repeats, gen),
         "prefill": bench_prefill(arch, dtype, args.prefill_tokens, args.block_size, args.repeats, gen),
+        "shared_prefix": bench_shared_prefix(arch, dtype, args.shared_requests, args.shared_prefix, args.shared_new,
+                                             args.block_size, args.repeats, gen) if args.shared_requests else [],
         "layers": bench_layers(arch, dtype, args.tokens, args.repeats, gen),
         "linear": bench_linear(arch, dtype, args.tokens, args.repeats, gen),
     }
@@ -266,5 +334,9 @@ def add_parser(kinds) -> None:
                    help="token counts of the GEMMs and of the layers' element-wise work")
     p.add_argument("--prefill-tokens", type=positive_int_list, default=[64, 187, 512, 2048],
                    help="lengths of the fresh prefill chunks")
+    p.add_argument("--shared-requests", type=non_negative_int, default=64,
+                   help="requests of the shared-prefix step (0: skip it)")
+    p.add_argument("--shared-prefix", type=positive_int, default=1024, help="tokens of the shared cached prefix")
+    p.add_argument("--shared-new", type=positive_int, default=32, help="each request's own new tokens")
     p.add_argument("--repeats", type=positive_int, default=5, help="timed passes; the best counts")
     p.set_defaults(bench_func=main)
