@@ -9,9 +9,12 @@ one will do; paged_decode.cpp reads K/V straight from the paged cache.
 Prefill chunks: torch's CPU SDPA multiplies one query head's small tile at a
 time; prefill_attention.cpp stacks the query heads of each KV head and runs
 each block of queries as two GEMMs (bf16 dot products into float on AVX-512
-BF16, else float32). A chunk after cached context reads that context from the
-paged cache through its block table (prefill_attention_paged): with a long
-shared prefix, a gathered copy per chunk and layer cost as much as the GEMMs.
+BF16, else float32). Where the bf16 GEMMs run and blocks hold whole tiles of
+16 positions, all of a step's chunks go in one call (prefill_attention_batch):
+each cache block their contexts read is packed once, however many chunks read
+it (many requests after one cached prefix), and their work items share the
+threads. Otherwise chunk by chunk, a chunk after cached context reading it
+from the paged cache through its block table (prefill_attention_paged).
 float64 engines keep the torch path (the kernel computes in float32).
 """
 
@@ -32,6 +35,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
         torch.ops.tessera_cpu.paged_decode(
             query[:nd], kv_cache[0], kv_cache[1], md.block_table[:nd], md.seq_lens[:nd], scale, out[:nd]
         )
+
+    def _prefills(self, query, key, value, out, kv_cache, md: AttentionMetadata, scale: float, gqa: bool) -> None:
+        batched = md.backend_cache.get("cpu_prefill_batch")
+        if batched is None:
+            batched = md.backend_cache["cpu_prefill_batch"] = bool(
+                torch.ops.tessera_cpu.prefill_batch_supported(query, kv_cache[0]))
+        if not batched:
+            return super()._prefills(query, key, value, out, kv_cache, md, scale, gqa)
+        torch.ops.tessera_cpu.prefill_attention_batch(query, kv_cache[0], kv_cache[1], md.block_table,
+                                                      md.query_start_loc, md.seq_lens, md.num_decodes, scale, out)
 
     @staticmethod
     def _prefill(i, q, k_new, v_new, kv_cache, md: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:

@@ -102,13 +102,17 @@ class TorchAttentionBackend(AttentionBackend):
         nd = metadata.num_decodes
         if nd:
             self._decode(query, out, kv_cache, metadata, scale, gqa)
-        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-        for i in range(nd, len(seq_lens)):
-            start, end = int(qsl[i]), int(qsl[i + 1])
-            out[start:end] = self._prefill(
-                i, query[start:end], key[start:end], value[start:end], kv_cache, metadata, scale, gqa
-            )
+        if nd < len(metadata.seq_lens_cpu):
+            self._prefills(query, key, value, out, kv_cache, metadata, scale, gqa)
         return out
+
+    def _prefills(self, query, key, value, out, kv_cache, md: AttentionMetadata, scale: float, gqa: bool) -> None:
+        """Every prefill chunk of the step (sequences num_decodes ..), one at a time."""
+        qsl = md.query_start_loc_cpu
+        for i in range(md.num_decodes, len(md.seq_lens_cpu)):
+            start, end = int(qsl[i]), int(qsl[i + 1])
+            out[start:end] = self._prefill(i, query[start:end], key[start:end], value[start:end], kv_cache, md, scale,
+                                           gqa)
 
     @staticmethod
     def _decode(query, out, kv_cache, md: AttentionMetadata, scale: float, gqa: bool) -> None:

@@ -14,6 +14,7 @@ whose greedy outputs are identical both ways.
 from __future__ import annotations
 
 import statistics
+import types
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -45,11 +46,13 @@ def kernel_switched_off(llm: LLM, kernel: str):
     backend = llm.engine_core.executor.runner.backend
     if not isinstance(backend, CpuAttentionBackend):
         raise ValueError(f"--ablate prefill-kernel: this engine runs the {backend.name} attention backend, not cpu")
-    backend._prefill = TorchAttentionBackend._prefill  # an instance attribute shadows the class's kernel path
+    # Instance attributes shadow the class's kernel paths: the torch backend's chunk loop and chunk.
+    backend._prefills = types.MethodType(TorchAttentionBackend._prefills, backend)
+    backend._prefill = TorchAttentionBackend._prefill
     try:
         yield
     finally:
-        del backend._prefill
+        del backend._prefills, backend._prefill
 
 
 def ablate(llm: LLM, requests: list[BenchRequest], kernel: str, rounds: int, generate: Callable) -> dict:

@@ -149,6 +149,66 @@ def test_bad_paged_prefill_arguments_are_refused_with_a_message(change, message)
         torch.ops.tessera_cpu.prefill_attention_paged(**change(_paged_prefill_args()))
 
 
+def _shared_prefix_step(dtype=torch.bfloat16, dim=64, block_size=16):
+    """Two decodes, then three chunks whose contexts share blocks 0-1 (a cached 32-token prefix)
+    and go on in blocks of their own; blocks no table names hold NaN."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, num_blocks = 8, 2, 12
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    cache[:, 10:] = float("nan")
+    table = torch.tensor([[5, 0, 0], [6, 0, 0], [0, 1, 2], [0, 1, 3], [0, 1, 4]])
+    q_lens, seq_lens = [1, 1, 5, 16, 7], [9, 14, 37, 48, 40]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    query = torch.randn(int(qsl[-1]), heads, dim, generator=gen).to(dtype)
+    return query, cache, table, qsl, torch.tensor(seq_lens)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_a_steps_prefills_in_one_call_equal_them_one_by_one(dim):
+    """prefill_attention_batch (each block packed once, shared by the chunks that read it) gives
+    every chunk exactly what prefill_attention_paged gives it alone, and leaves decode rows alone."""
+    query, cache, table, qsl, seq_lens = _shared_prefix_step(dim=dim)
+    if not torch.ops.tessera_cpu.prefill_batch_supported(query, cache[0]):
+        pytest.skip("prefill_attention_batch needs AVX-512 BF16")
+    out = torch.full_like(query, 7.0)
+    torch.ops.tessera_cpu.prefill_attention_batch(query, cache[0], cache[1], table, qsl, seq_lens, 2, 0.125, out)
+    assert torch.equal(out[:2], torch.full_like(out[:2], 7.0))
+    for i in range(2, 5):
+        start, end = int(qsl[i]), int(qsl[i + 1])
+        alone = torch.empty_like(query[start:end])
+        torch.ops.tessera_cpu.prefill_attention_paged(query[start:end], cache[0], cache[1], table[i],
+                                                      int(seq_lens[i]), 0.125, alone)
+        assert torch.equal(out[start:end], alone), i
+    assert not out.isnan().any()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: {**a, "block_table": a["block_table"].clone().index_fill_(1, torch.tensor([2]), 12)},
+     "block id 12 outside the cache"),
+    (lambda a: {**a, "block_table": a["block_table"][:, :2]}, "block-table row is shorter than its context"),
+    (lambda a: {**a, "seq_lens": torch.tensor([9, 14, 3, 48, 40])}, "context is shorter than its chunk"),
+    (lambda a: {**a, "first": 6}, "first is outside the sequences"),
+    (lambda a: {**a, "query_start_loc": a["query_start_loc"][:-1]}, "one more start than sequences"),
+    (lambda a: {**a, "seq_lens": a["seq_lens"].int()}, "must be int64 CPU tensors"),
+    (lambda a: {**a, "query": a["query"].float(), "out": a["out"].float()}, "bf16 with head size 64 or 128"),
+    (lambda a: {**a, "key_cache": a["key_cache"].float()}, "must share a dtype"),
+])
+def test_bad_batched_prefill_arguments_are_refused_with_a_message(change, message):
+    query, cache, table, qsl, seq_lens = _shared_prefix_step()
+    if not torch.ops.tessera_cpu.prefill_batch_supported(query, cache[0]):
+        pytest.skip("prefill_attention_batch needs AVX-512 BF16")
+    args = {"query": query, "key_cache": cache[0], "value_cache": cache[1], "block_table": table,
+            "query_start_loc": qsl, "seq_lens": seq_lens, "first": 2, "scale": 0.125, "out": torch.empty_like(query)}
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.tessera_cpu.prefill_attention_batch(**change(args))
+
+
+def test_block_sizes_off_the_tile_take_the_chunk_by_chunk_path():
+    query = torch.empty(1, 8, 64, dtype=torch.bfloat16)
+    assert not torch.ops.tessera_cpu.prefill_batch_supported(query, torch.empty(4, 8, 2, 64, dtype=torch.bfloat16))
+    assert not torch.ops.tessera_cpu.prefill_batch_supported(query.float(), torch.empty(4, 16, 2, 64))
+
+
 def test_the_build_hashes_the_headers_its_sources_include():
     from engine_pod.attention.cpu_ops import build
 

@@ -38,6 +38,7 @@ def test_switching_off_takes_the_torch_paths_and_is_undone(tiny_llama, monkeypat
         with kernel_switched_off(llm, "prefill-kernel"):
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
         assert calls == [] and runner.backend._prefill == CpuAttentionBackend._prefill
+        assert runner.backend._prefills.__func__ is CpuAttentionBackend._prefills  # the chunk loop is back too
         llm.generate([{"prompt_token_ids": [8, 9, 10]}], use_tqdm=False)  # switched back on: the kernel runs
         assert len(calls) == runner.model.config.num_hidden_layers
 
