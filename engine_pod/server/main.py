@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import itertools
 import logging
 import signal
@@ -277,6 +278,10 @@ def serve(args: argparse.Namespace) -> int:
     try:
         for pod in pods:
             _start_pod(pod, config, new_executor(), frontend.loop, model_name, args.host)
+        # The model, tokenizer and libraries loaded so far live as long as the process: out of the
+        # cyclic GC's scans, whose full passes over them would otherwise stall steps and streams.
+        gc.collect()
+        gc.freeze()
         auth = "off" if not interceptors else "token+mtls" if tls else "token"
         kind = " simulated" if config.simulated else ""
         lifecycles = [frontend.submit(_lifecycle(
