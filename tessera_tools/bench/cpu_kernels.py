@@ -67,31 +67,42 @@ def _decode_step(arch, batch: int, context: int, block_size: int, dtype, gen):
     return md, caches, q, kv
 
 
-def bench_attention(arch, dtype, batches, context, block_size, repeats, gen) -> list[dict]:
+def _compare_backends(forward, layers: int, repeats: int, dtype, what: str) -> dict:
+    """`forward(backend, layer)` on the torch backend and on the cpu backend: one call of each
+    checked to agree (timing means nothing otherwise; raises naming `what`), then the best of
+    `repeats` passes over `layers` calls each, in ms, and the speedup."""
     from engine_pod.attention.cpu_backend import CpuAttentionBackend
     from engine_pod.attention.torch_backend import TorchAttentionBackend
 
+    row, outputs = {}, []
+    for backend in (TorchAttentionBackend(), CpuAttentionBackend()):
+        outputs.append(forward(backend, 0))
+        def run(backend=backend):
+            for layer in range(layers):
+                forward(backend, layer)
+        row[f"{backend.name}_ms"] = best_of(run, repeats) * 1e3
+    row["max_abs_diff"] = float((outputs[0].double() - outputs[1].double()).abs().max())
+    if not torch.allclose(outputs[0].double(), outputs[1].double(), rtol=_tolerance(dtype), atol=_tolerance(dtype)):
+        raise RuntimeError(f"{what}: the cpu kernels and the torch backend disagree "
+                           f"(max |diff| {row['max_abs_diff']:.3g})")
+    row["speedup"] = row["torch_ms"] / row["cpu_ms"]
+    return row
+
+
+def bench_attention(arch, dtype, batches, context, block_size, repeats, gen) -> list[dict]:
     rows = []
     for batch in batches:
         md, caches, q, kv = _decode_step(arch, batch, context, block_size, dtype, gen)
-        row = {"batch": batch, "mean_context": float(md.seq_lens_cpu.mean())}
-        outputs = []
-        for backend in (TorchAttentionBackend(), CpuAttentionBackend()):
-            md.backend_cache.clear()
-            outputs.append(backend.forward(q, kv, kv, caches[0], md, arch.head_dim**-0.5))
-            def step(backend=backend):
+
+        def forward(backend, layer, md=md, caches=caches, q=q, kv=kv):
+            if layer == 0:
                 md.backend_cache.clear()  # planned once per step, as in the engine
-                for cache in caches:
-                    backend.forward(q, kv, kv, cache, md, arch.head_dim**-0.5)
-            row[f"{backend.name}_ms"] = best_of(step, repeats) * 1e3
-        # Timing means nothing if the two disagree.
-        row["max_abs_diff"] = float((outputs[0].double() - outputs[1].double()).abs().max())
-        if not torch.allclose(outputs[0].double(), outputs[1].double(), rtol=_tolerance(dtype), atol=_tolerance(dtype)):
-            raise RuntimeError(f"batch {batch}: the cpu kernel and the torch backend disagree "
-                               f"(max |diff| {row['max_abs_diff']:.3g})")
+            return backend.forward(q, kv, kv, caches[layer], md, arch.head_dim**-0.5)
+
+        row = {"batch": batch, "mean_context": float(md.seq_lens_cpu.mean()),
+               **_compare_backends(forward, arch.num_hidden_layers, repeats, dtype, f"decode batch {batch}")}
         kv_bytes = 2 * float(md.seq_lens_cpu.sum()) * arch.num_key_value_heads * arch.head_dim * q.element_size()
         row["kv_gb_per_s_cpu"] = kv_bytes * arch.num_hidden_layers / (row["cpu_ms"] / 1e3) / 1e9
-        row["speedup"] = row["torch_ms"] / row["cpu_ms"]
         rows.append(row)
         print(f"decode attention, batch {batch:4d}, mean context {row['mean_context']:6.0f}: torch "
               f"{row['torch_ms']:8.1f} ms, cpu kernel {row['cpu_ms']:7.1f} ms ({row['speedup']:.1f}x, "
@@ -114,25 +125,15 @@ def _prefill_chunk(arch, length: int, block_size: int, dtype, gen):
 
 
 def bench_prefill(arch, dtype, lengths, block_size, repeats, gen) -> list[dict]:
-    from engine_pod.attention.cpu_backend import CpuAttentionBackend
-    from engine_pod.attention.torch_backend import TorchAttentionBackend
-
     rows, scale = [], arch.head_dim**-0.5
     for length in lengths:
         md, cache, q, k, v = _prefill_chunk(arch, length, block_size, dtype, gen)
-        row: dict = {"tokens": length}
-        outputs = []
-        for backend in (TorchAttentionBackend(), CpuAttentionBackend()):
-            outputs.append(backend.forward(q, k, v, cache, md, scale))
-            def chunk(backend=backend):
-                for _ in range(arch.num_hidden_layers):
-                    backend.forward(q, k, v, cache, md, scale)
-            row[f"{backend.name}_ms"] = best_of(chunk, repeats) * 1e3
-        row["max_abs_diff"] = float((outputs[0].double() - outputs[1].double()).abs().max())
-        if not torch.allclose(outputs[0].double(), outputs[1].double(), rtol=_tolerance(dtype), atol=_tolerance(dtype)):
-            raise RuntimeError(f"{length} tokens: the prefill kernel and the torch backend disagree "
-                               f"(max |diff| {row['max_abs_diff']:.3g})")
-        row["speedup"] = row["torch_ms"] / row["cpu_ms"]
+
+        def forward(backend, layer, md=md, cache=cache, q=q, k=k, v=v):
+            return backend.forward(q, k, v, cache, md, scale)
+
+        row = {"tokens": length, **_compare_backends(forward, arch.num_hidden_layers, repeats, dtype,
+                                                     f"prefill of {length} tokens")}
         rows.append(row)
         print(f"prefill attention, a fresh chunk of {length:5d} tokens: torch (SDPA) {row['torch_ms']:8.1f} ms, "
               f"cpu kernel {row['cpu_ms']:7.1f} ms ({row['speedup']:.1f}x)", flush=True)
@@ -167,9 +168,6 @@ def bench_shared_prefix(arch, dtype, requests: int, prefix: int, new: int, block
                         gen) -> list[dict]:
     """The prefill step (every request's `new`-token chunk) and then the decode step, each over all
     layers, torch backend against cpu backend."""
-    from engine_pod.attention.cpu_backend import CpuAttentionBackend
-    from engine_pod.attention.torch_backend import TorchAttentionBackend
-
     table, cache = _shared_prefix_step(arch, requests, prefix, new, block_size, dtype, gen)
     steps = {"prefill": (np.full(requests, new), np.full(requests, prefix + new)),
              "decode": (np.ones(requests, dtype=np.int64), np.full(requests, prefix + new + 1))}
@@ -179,21 +177,14 @@ def bench_shared_prefix(arch, dtype, requests: int, prefix: int, new: int, block
         tokens = md.num_actual_tokens
         q = torch.randn(tokens, arch.num_attention_heads, arch.head_dim, generator=gen).to(dtype)
         kv = torch.randn(tokens, arch.num_key_value_heads, arch.head_dim, generator=gen).to(dtype)
-        row: dict = {"step": kind, "requests": requests, "prefix": prefix, "new": new}
-        outputs = []
-        for backend in (TorchAttentionBackend(), CpuAttentionBackend()):
-            md.backend_cache.clear()
-            outputs.append(backend.forward(q, kv, kv, cache, md, scale))
-            def step(backend=backend):
-                md.backend_cache.clear()
-                for _ in range(arch.num_hidden_layers):
-                    backend.forward(q, kv, kv, cache, md, scale)
-            row[f"{backend.name}_ms"] = best_of(step, repeats) * 1e3
-        row["max_abs_diff"] = float((outputs[0].double() - outputs[1].double()).abs().max())
-        if not torch.allclose(outputs[0].double(), outputs[1].double(), rtol=_tolerance(dtype), atol=_tolerance(dtype)):
-            raise RuntimeError(f"shared prefix, {kind}: the cpu kernels and the torch backend disagree "
-                               f"(max |diff| {row['max_abs_diff']:.3g})")
-        row["speedup"] = row["torch_ms"] / row["cpu_ms"]
+
+        def forward(backend, layer, md=md, q=q, kv=kv):
+            if layer == 0:
+                md.backend_cache.clear()  # planned once per step, as in the engine
+            return backend.forward(q, kv, kv, cache, md, scale)
+
+        row = {"step": kind, "requests": requests, "prefix": prefix, "new": new,
+               **_compare_backends(forward, arch.num_hidden_layers, repeats, dtype, f"shared prefix, {kind}")}
         rows.append(row)
         what = f"{requests} chunks of {new}" if kind == "prefill" else f"{requests} decodes"
         print(f"shared {prefix}-token prefix, {what}: torch {row['torch_ms']:8.1f} ms, cpu kernels "
