@@ -100,6 +100,8 @@ def _add_peer_args(p: argparse.ArgumentParser) -> None:
     peer.add_argument("--kv-cache-gib", type=positive_int, default=4, help="KV cache of each server, GiB")
     peer.add_argument("--no-prefix-caching", action="store_true", help="prefix caching off on both")
     peer.add_argument("--rounds", type=positive_int, default=1, help="alternated runs of each server per rate")
+    peer.add_argument("--cooldown", type=non_negative_int, default=10,
+                      help="seconds of quiet before each measured run (the server that ran before may still be busy)")
     peer.add_argument("--sustained-fraction", type=positive_float, default=0.9,
                       help="a rate counts as sustained when completed requests/s reach this share of it")
     peer.add_argument("--peer-cpus", type=cpu_list, default="0-1",

@@ -135,6 +135,9 @@ async def _sweep(args: argparse.Namespace, settings: Settings, requests: list[Se
         for r, rate in enumerate(settings.rates):
             for round_index in range(args.rounds):
                 for side in rotated(SIDES, turn):
+                    # Quiet first: whichever server ran last may still be busy, and its tail of work would
+                    # land on the first seconds of this run.
+                    await asyncio.sleep(args.cooldown)
                     print(f"\n---- {side}, rate {rate:g} req/s, round {round_index + 1}/{args.rounds} ----")
                     _, summary = await measure_rate(clients[side], targets[side], requests, rate, args, settings)
                     runs[side][r].append(summary)
@@ -218,7 +221,7 @@ def main(args: argparse.Namespace) -> int:
         "max_prompt_len": None if args.dataset_path else args.max_prompt_len,
         "max_output_len": None if args.dataset_path else args.max_output_len, "seed": args.seed,
         "burstiness": args.burstiness, "rounds": args.rounds, "goodput_slos_ms": settings.slos,
-        "sustained_fraction": args.sustained_fraction, "tail_percentile": tail,
+        "sustained_fraction": args.sustained_fraction, "cooldown_s": args.cooldown, "tail_percentile": tail,
         "rates": [rate_json(r) for r in settings.rates],
         "medians": by_side, "runs": runs, "verdict": found,
     }
