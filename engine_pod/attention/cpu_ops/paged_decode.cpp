@@ -12,8 +12,8 @@
 // bf16, head size 64 or 128, AVX-512) therefore keeps 16 keys' products as 16
 // vectors and sums them together through a transposing tree (sum_lanes16),
 // about 3 instructions a key where a horizontal sum each costs 8; bf16 rows
-// are multiplied as bf16 pairs into float (AVX-512 BF16). Work items are
-// (sequence, KV head) pairs, so a long-tailed batch still splits evenly.
+// are multiplied as bf16 pairs into float (AVX-512 BF16). Each tile of 16
+// positions is read as whole rows and then served from L1 to every query head.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -50,6 +50,27 @@ struct SequenceRows {
     if (pos + block_size < len) prefetch_row(cache + blocks[pos / block_size + 1] * block_stride + offset, row_bytes);
     return cache + blocks[pos / block_size] * block_stride + offset;
   }
+};
+
+// The decode batch as raw pointers, sizes and strides: what both kernels read.
+template <typename scalar_t>
+struct DecodeBatch {
+  const scalar_t* q;
+  const scalar_t* k;
+  const scalar_t* v;
+  scalar_t* out;
+  const int64_t* table;
+  const int64_t* lens;
+  int64_t num_seqs, num_heads, num_kv_heads, group, block_size, q_seq_stride, q_head_stride, table_stride, max_len;
+
+  DecodeBatch(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+              const at::Tensor& block_table, const at::Tensor& seq_lens, at::Tensor& out_)
+      : q(query.data_ptr<scalar_t>()), k(key_cache.data_ptr<scalar_t>()), v(value_cache.data_ptr<scalar_t>()),
+        out(out_.data_ptr<scalar_t>()), table(block_table.data_ptr<int64_t>()), lens(seq_lens.data_ptr<int64_t>()),
+        num_seqs(query.size(0)), num_heads(query.size(1)), num_kv_heads(key_cache.size(2)),
+        group(num_heads / num_kv_heads), block_size(key_cache.size(1)), q_seq_stride(query.stride(0)),
+        q_head_stride(query.stride(1)), table_stride(block_table.stride(0)),
+        max_len(num_seqs ? *std::max_element(lens, lens + num_seqs) : 0) {}
 };
 
 #if defined(__AVX512F__)
@@ -121,41 +142,30 @@ void paged_decode_vectorised(const at::Tensor& query, const at::Tensor& key_cach
                              const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
                              at::Tensor& out) {
   constexpr int64_t kTile = 16, kChunks = kDim / 16;
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
-  scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const int64_t* table = block_table.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t q_seq_stride = query.stride(0), q_head_stride = query.stride(1);
+  const DecodeBatch<scalar_t> b(query, key_cache, value_cache, block_table, seq_lens, out);
   const int64_t block_stride = key_cache.stride(0), token_stride = key_cache.stride(1), head_stride = key_cache.stride(2);
-  const int64_t table_stride = block_table.stride(0);
-  const int64_t row_bytes = num_kv_heads * head_stride * static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t max_len = num_seqs ? *std::max_element(lens, lens + num_seqs) : 0;
-  const int64_t padded_len = (max_len + kTile - 1) / kTile * kTile;
+  const int64_t row_bytes = b.num_kv_heads * head_stride * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t padded_len = (b.max_len + kTile - 1) / kTile * kTile;
   const __m512 alpha = _mm512_set1_ps(static_cast<float>(scale));
 
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(num_heads * padded_len), acc(num_heads * kDim), inv_sum(num_heads);
+  at::parallel_for(0, b.num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(b.num_heads * padded_len), acc(b.num_heads * kDim), inv_sum(b.num_heads);
     for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t len = lens[seq];
-      const int64_t* blocks = table + seq * table_stride;
+      const int64_t len = b.lens[seq];
+      const int64_t* blocks = b.table + seq * b.table_stride;
       auto row = [&](const scalar_t* cache, int64_t pos) {  // a position's row: all KV heads
-        return cache + blocks[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+        return cache + blocks[pos / b.block_size] * block_stride + (pos % b.block_size) * token_stride;
       };
       // Scores, 16 positions at a time.
       for (int64_t t0 = 0; t0 < len; t0 += kTile) {
         const int64_t n = std::min(kTile, len - t0);
         const scalar_t* keys[kTile];
-        for (int64_t j = 0; j < kTile; ++j) keys[j] = row(k_ptr, t0 + std::min(j, n - 1));
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const int64_t head_offset = (h / group) * head_stride;
-          const QueryRow<scalar_t, kDim> q(q_ptr + seq * q_seq_stride + h * q_head_stride);
-          for (int64_t j = h; j < kTile; j += num_heads)
-            if (t0 + kTile + j < len) prefetch_row(row(k_ptr, t0 + kTile + j), row_bytes);
+        for (int64_t j = 0; j < kTile; ++j) keys[j] = row(b.k, t0 + std::min(j, n - 1));
+        for (int64_t h = 0; h < b.num_heads; ++h) {
+          const int64_t head_offset = (h / b.group) * head_stride;
+          const QueryRow<scalar_t, kDim> q(b.q + seq * b.q_seq_stride + h * b.q_head_stride);
+          for (int64_t j = h; j < kTile; j += b.num_heads)
+            if (t0 + kTile + j < len) prefetch_row(row(b.k, t0 + kTile + j), row_bytes);
           __m512 partials[kTile];
           for (int64_t j = 0; j < kTile; ++j) partials[j] = q.partial(keys[j] + head_offset);
           _mm512_mask_storeu_ps(scores.data() + h * padded_len + t0, static_cast<__mmask16>((1u << n) - 1),
@@ -163,7 +173,7 @@ void paged_decode_vectorised(const at::Tensor& query, const at::Tensor& key_cach
         }
       }
       // Softmax per query head; the 1/sum is applied to the output.
-      for (int64_t h = 0; h < num_heads; ++h) {
+      for (int64_t h = 0; h < b.num_heads; ++h) {
         float* sh = scores.data() + h * padded_len;
         float m = sh[0];
         for (int64_t pos = 1; pos < len; ++pos) m = std::max(m, sh[pos]);
@@ -181,13 +191,13 @@ void paged_decode_vectorised(const at::Tensor& query, const at::Tensor& key_cach
       for (int64_t t0 = 0; t0 < len; t0 += kTile) {
         const int64_t n = std::min(kTile, len - t0);
         const scalar_t* values[kTile];
-        for (int64_t j = 0; j < n; ++j) values[j] = row(v_ptr, t0 + j);
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const int64_t head_offset = (h / group) * head_stride;
+        for (int64_t j = 0; j < n; ++j) values[j] = row(b.v, t0 + j);
+        for (int64_t h = 0; h < b.num_heads; ++h) {
+          const int64_t head_offset = (h / b.group) * head_stride;
           const float* p = scores.data() + h * padded_len + t0;
           float* ah = acc.data() + h * kDim;
-          for (int64_t j = h; j < kTile; j += num_heads)
-            if (t0 + kTile + j < len) prefetch_row(row(v_ptr, t0 + kTile + j), row_bytes);
+          for (int64_t j = h; j < kTile; j += b.num_heads)
+            if (t0 + kTile + j < len) prefetch_row(row(b.v, t0 + kTile + j), row_bytes);
           __m512 sum[kChunks];
           for (int64_t c = 0; c < kChunks; ++c) sum[c] = _mm512_loadu_ps(ah + 16 * c);
           for (int64_t j = 0; j < n; ++j) {
@@ -198,8 +208,8 @@ void paged_decode_vectorised(const at::Tensor& query, const at::Tensor& key_cach
           for (int64_t c = 0; c < kChunks; ++c) _mm512_storeu_ps(ah + 16 * c, sum[c]);
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        scalar_t* dst = out_ptr + (seq * num_heads + h) * kDim;
+      for (int64_t h = 0; h < b.num_heads; ++h) {
+        scalar_t* dst = b.out + (seq * b.num_heads + h) * kDim;
         const float* ah = acc.data() + h * kDim;
         for (int64_t d = 0; d < kDim; ++d) dst[d] = static_cast<scalar_t>(ah[d] * inv_sum[h]);
       }
@@ -213,47 +223,36 @@ void paged_decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, c
                          const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
                          at::Tensor& out) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
+  const DecodeBatch<scalar_t> b(query, key_cache, value_cache, block_table, seq_lens, out);
   // A compile-time head size lets the compiler unroll the D loops; 0 is the generic build.
   const int64_t head_dim = kHeadDim ? kHeadDim : query.size(2);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
-  scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const int64_t* table = block_table.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t q_seq_stride = query.stride(0), q_head_stride = query.stride(1);
   const int64_t k_block_stride = key_cache.stride(0), k_token_stride = key_cache.stride(1),
                 k_head_stride = key_cache.stride(2);
   const int64_t v_block_stride = value_cache.stride(0), v_token_stride = value_cache.stride(1),
                 v_head_stride = value_cache.stride(2);
-  const int64_t table_stride = block_table.stride(0);
-  const int64_t row_bytes = num_kv_heads * head_dim * static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t max_len = num_seqs ? *std::max_element(lens, lens + num_seqs) : 0;
+  const int64_t row_bytes = b.num_kv_heads * head_dim * static_cast<int64_t>(sizeof(scalar_t));
 
   // One sequence per work item, all its KV heads together: a block's rows
   // (block_size x Hkv x D) are then read front to back as one run.
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> q(num_heads * head_dim), acc(num_heads * head_dim), scores(num_heads * max_len),
-        inv_sum(num_heads);
+  at::parallel_for(0, b.num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> q(b.num_heads * head_dim), acc(b.num_heads * head_dim), scores(b.num_heads * b.max_len),
+        inv_sum(b.num_heads);
     for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t len = lens[seq];
-      const int64_t* blocks = table + seq * table_stride;
-      const SequenceRows<scalar_t> keys{k_ptr, blocks, block_size, k_block_stride, k_token_stride, row_bytes, len};
-      const SequenceRows<scalar_t> values{v_ptr, blocks, block_size, v_block_stride, v_token_stride, row_bytes, len};
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const scalar_t* src = q_ptr + seq * q_seq_stride + h * q_head_stride;
+      const int64_t len = b.lens[seq];
+      const int64_t* blocks = b.table + seq * b.table_stride;
+      const SequenceRows<scalar_t> keys{b.k, blocks, b.block_size, k_block_stride, k_token_stride, row_bytes, len};
+      const SequenceRows<scalar_t> values{b.v, blocks, b.block_size, v_block_stride, v_token_stride, row_bytes, len};
+      for (int64_t h = 0; h < b.num_heads; ++h) {
+        const scalar_t* src = b.q + seq * b.q_seq_stride + h * b.q_head_stride;
         for (int64_t d = 0; d < head_dim; ++d) q[h * head_dim + d] = static_cast<acc_t>(src[d]) * scale;
       }
       // Scores: each key row is loaded once for its query-head group.
       for (int64_t pos = 0; pos < len; ++pos) {
         const scalar_t* k_row = keys.at(pos);
-        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        for (int64_t kv_head = 0; kv_head < b.num_kv_heads; ++kv_head) {
           const scalar_t* k = k_row + kv_head * k_head_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = kv_head * group + g;
+          for (int64_t g = 0; g < b.group; ++g) {
+            const int64_t h = kv_head * b.group + g;
             const acc_t* qh = q.data() + h * head_dim;
             acc_t s = 0;
 #pragma omp simd reduction(+ : s)
@@ -263,7 +262,7 @@ void paged_decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, c
         }
       }
       // Softmax per query head, in the accumulation type.
-      for (int64_t h = 0; h < num_heads; ++h) {
+      for (int64_t h = 0; h < b.num_heads; ++h) {
         acc_t* sh = scores.data() + h * len;
         acc_t m = sh[0];  // scores are finite: no -inf start (built with -ffast-math)
         for (int64_t pos = 1; pos < len; ++pos) m = std::max(m, sh[pos]);
@@ -279,10 +278,10 @@ void paged_decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, c
       std::fill(acc.begin(), acc.end(), acc_t(0));
       for (int64_t pos = 0; pos < len; ++pos) {
         const scalar_t* v_row = values.at(pos);
-        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        for (int64_t kv_head = 0; kv_head < b.num_kv_heads; ++kv_head) {
           const scalar_t* v = v_row + kv_head * v_head_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = kv_head * group + g;
+          for (int64_t g = 0; g < b.group; ++g) {
+            const int64_t h = kv_head * b.group + g;
             const acc_t p = scores[h * len + pos];
             acc_t* ah = acc.data() + h * head_dim;
 #pragma omp simd
@@ -290,8 +289,8 @@ void paged_decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, c
           }
         }
       }
-      scalar_t* dst = out_ptr + seq * num_heads * head_dim;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) dst[i] = static_cast<scalar_t>(acc[i] * inv_sum[i / head_dim]);
+      scalar_t* dst = b.out + seq * b.num_heads * head_dim;
+      for (int64_t i = 0; i < b.num_heads * head_dim; ++i) dst[i] = static_cast<scalar_t>(acc[i] * inv_sum[i / head_dim]);
     }
   });
 }

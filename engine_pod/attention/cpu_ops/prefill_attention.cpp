@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -97,8 +98,10 @@ struct Bf16Tile {
   // read past the context's end multiplies zeros (a cache row there may hold anything).
   static void pack(const Rows<at::BFloat16>& key, const Rows<at::BFloat16>& value, int64_t first, int64_t valid,
                    int64_t h, uint16_t* k_tile, uint16_t* v_tile) {
-    std::memset(k_tile, 0, kElems * sizeof(uint16_t));
-    std::memset(v_tile, 0, kElems * sizeof(uint16_t));
+    if (valid < kKeys) {  // full tiles are overwritten whole
+      std::memset(k_tile, 0, kElems * sizeof(uint16_t));
+      std::memset(v_tile, 0, kElems * sizeof(uint16_t));
+    }
     uint32_t* kt = reinterpret_cast<uint32_t*>(k_tile);
     for (int64_t j = 0; j < valid; ++j) {
       uint32_t krow[kPairs];  // a key's (d, d + 1) pair moves as one 32-bit word
@@ -129,7 +132,7 @@ struct Bf16Gemms {
   // [h * (tiles + 1) + t]: KV head h's key tile t, then a zero tile (scores read tiles in pairs).
   std::vector<const uint16_t*> k_tiles;
   std::vector<const uint16_t*> v_tiles;  // [h * tiles + t]
-  std::vector<uint16_t> own;             // tiles packed for this chunk alone (else empty)
+  std::unique_ptr<uint16_t[]> own;       // tiles packed for this chunk alone (else none)
 
   Bf16Gemms(const uint16_t* q, int64_t q_head_stride, int64_t heads, int64_t len)
       : q(q), q_head_stride(q_head_stride), tiles((len + kKeyTile - 1) / kKeyTile),
@@ -140,11 +143,11 @@ struct Bf16Gemms {
             int64_t heads, int64_t len)
       : Bf16Gemms(reinterpret_cast<const uint16_t*>(grouped_query.data_ptr<at::BFloat16>()),
                   grouped_query.stride(0), heads, len) {
-    own.resize(heads * tiles * 2 * Tile::kElems);
+    own.reset(new uint16_t[heads * tiles * 2 * Tile::kElems]);  // each tile fills (or zeroes) all of itself
     at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t h = begin; h < end; ++h)
         for (int64_t t = 0; t < tiles; ++t) {
-          uint16_t* k_tile = own.data() + ((h * tiles + t) * 2) * Tile::kElems;
+          uint16_t* k_tile = own.get() + ((h * tiles + t) * 2) * Tile::kElems;
           uint16_t* v_tile = k_tile + Tile::kElems;
           Tile::pack(key, value, t * kKeyTile, std::min(kKeyTile, len - t * kKeyTile), h, k_tile, v_tile);
           set_tile(h, t, k_tile, v_tile);
@@ -342,6 +345,9 @@ void check_query_and_out(const at::Tensor& query, const at::Tensor& out, const c
   TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
               op, ": out must be a contiguous tensor shaped like query");
   TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu(), op, ": CPU tensors expected");
+}
+
+void check_kernel_dtype(const at::Tensor& query, const char* op) {
   TORCH_CHECK(query.scalar_type() != at::kDouble, op, ": float32, bfloat16 or float16 expected");
 }
 
@@ -357,8 +363,9 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& key, const at:
   TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
               "prefill_attention: query, key and value must share a dtype");
   TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu(), "prefill_attention: CPU tensors expected");
-  if (query.size(0) == 0) return;
   check_query_and_out(query, out, "prefill_attention");
+  if (query.size(0) == 0) return;
+  check_kernel_dtype(query, "prefill_attention");
   prefill_kernel(query, key, value, scale, out);
 }
 
@@ -386,8 +393,9 @@ void prefill_attention_paged(const at::Tensor& query, const at::Tensor& key_cach
   for (int64_t b = 0; b < num_blocks; ++b)
     TORCH_CHECK(blocks[b] >= 0 && blocks[b] < key_cache.size(0), op, ": block id ", blocks[b], " outside the cache");
   TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu(), op, ": CPU tensors expected");
-  if (query.size(0) == 0) return;
   check_query_and_out(query, out, op);
+  if (query.size(0) == 0) return;
+  check_kernel_dtype(query, op);
   const int64_t num_kv_heads = key_cache.size(2);
   if (bf16_gemms(query))
     return bf16_prefill(query, Rows<at::BFloat16>::paged(key_cache, block_table_row),
@@ -434,7 +442,7 @@ void bf16_prefill_batch(const at::Tensor& query, const at::Tensor& key_cache, co
   }
   // [slot][KV head][tile of the block][key tile, value tile]
   const int64_t num_tiles = static_cast<int64_t>(blocks.size()) * num_kv_heads * tiles_per_block;
-  std::vector<uint16_t> packed(num_tiles * 2 * Tile::kElems);
+  std::unique_ptr<uint16_t[]> packed(new uint16_t[num_tiles * 2 * Tile::kElems]);  // each tile fills all of itself
   const auto* k_base = key_cache.data_ptr<at::BFloat16>();
   const auto* v_base = value_cache.data_ptr<at::BFloat16>();
   at::parallel_for(0, num_tiles, 8, [&](int64_t begin, int64_t end) {
@@ -446,7 +454,7 @@ void bf16_prefill_batch(const at::Tensor& query, const at::Tensor& key_cache, co
       const Rows<at::BFloat16> value{v_base, &blocks[slot], block_size, value_cache.stride(0),
                                      value_cache.stride(1), value_cache.stride(2)};
       const int64_t rows = std::clamp<int64_t>(valid[slot] - t * Tile::kKeys, 0, Tile::kKeys);
-      uint16_t* k_tile = packed.data() + item * 2 * Tile::kElems;
+      uint16_t* k_tile = packed.get() + item * 2 * Tile::kElems;
       Tile::pack(key, value, t * Tile::kKeys, rows, h, k_tile, k_tile + Tile::kElems);
     }
   });
@@ -465,7 +473,7 @@ void bf16_prefill_batch(const at::Tensor& query, const at::Tensor& key_cache, co
     for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t t = 0; t < g.tiles; ++t) {
         const int64_t slot = slot_of[table[seq * table_stride + t / tiles_per_block]];
-        const uint16_t* k_tile = packed.data() + ((slot * num_kv_heads + h) * tiles_per_block + t % tiles_per_block) *
+        const uint16_t* k_tile = packed.get() + ((slot * num_kv_heads + h) * tiles_per_block + t % tiles_per_block) *
                                                      2 * Tile::kElems;
         g.set_tile(h, t, k_tile, k_tile + Tile::kElems);
       }
@@ -504,6 +512,7 @@ void prefill_attention_batch(const at::Tensor& query, const at::Tensor& key_cach
                              const at::Tensor& seq_lens, int64_t first, double scale, at::Tensor out) {
   const char* op = "prefill_attention_batch";
   check_query_and_out(query, out, op);
+  check_kernel_dtype(query, op);
   TORCH_CHECK(prefill_batch_supported(query, key_cache), op,
               ": bf16 with head size 64 or 128 on AVX-512 BF16, and a block size that is a multiple of 16, expected");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides() &&

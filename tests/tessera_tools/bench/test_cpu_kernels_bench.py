@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tessera_tools.cli import main
 
 
@@ -52,3 +54,10 @@ def test_the_shared_prefix_step_shares_its_prefix_blocks():
     table, _ = _shared_prefix_step(Arch, requests=2, prefix=37, new=11, block_size=16, dtype=torch.float32,
                                    gen=torch.Generator().manual_seed(0))
     assert table.tolist() == [[0, 1, 2, 3], [0, 1, 4, 5]]  # position 48, the decoded token's, needs a block more
+
+
+@pytest.mark.parametrize("flag, value", [("--shared-requests", "-1"), ("--shared-prefix", "0"), ("--shared-new", "0")])
+def test_bad_shared_prefix_sizes_are_refused_by_name(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "cpu-kernels", "--model", "m", flag, value])
+    assert exit_info.value.code == 2 and flag in capsys.readouterr().err

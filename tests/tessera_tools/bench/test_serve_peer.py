@@ -269,3 +269,11 @@ def test_peer_values_that_cannot_work_are_refused(tiny_llama, argv, message, cap
     assert main(["bench", "serve", "--peer", "vllm", "--serve-model", str(tiny_llama), "--goodput", "ttft:100",
                  *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_negative_cooldown_is_refused_by_name(capsys):
+    from tessera_tools.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "serve", "--peer", "vllm", "--serve-model", "m", "--cooldown", "-1"])
+    assert exit_info.value.code == 2 and "--cooldown" in capsys.readouterr().err
