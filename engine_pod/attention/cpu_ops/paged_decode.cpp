@@ -52,6 +52,21 @@ struct SequenceRows {
   }
 };
 
+// s[i] = exp(s[i] - max(s)) over one query head's len scores, in place; returns 1 / their
+// sum (a softmax whose division is left to the output).
+template <typename T>
+T exp_shifted(T* s, int64_t len) {
+  T m = s[0];  // scores are finite: no -inf start (built with -ffast-math)
+  for (int64_t pos = 1; pos < len; ++pos) m = std::max(m, s[pos]);
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t pos = 0; pos < len; ++pos) {
+    s[pos] = std::exp(s[pos] - m);
+    sum += s[pos];
+  }
+  return T(1) / sum;
+}
+
 // The decode batch as raw pointers, sizes and strides: what both kernels read.
 template <typename scalar_t>
 struct DecodeBatch {
@@ -173,18 +188,7 @@ void paged_decode_vectorised(const at::Tensor& query, const at::Tensor& key_cach
         }
       }
       // Softmax per query head; the 1/sum is applied to the output.
-      for (int64_t h = 0; h < b.num_heads; ++h) {
-        float* sh = scores.data() + h * padded_len;
-        float m = sh[0];
-        for (int64_t pos = 1; pos < len; ++pos) m = std::max(m, sh[pos]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t pos = 0; pos < len; ++pos) {
-          sh[pos] = std::exp(sh[pos] - m);
-          sum += sh[pos];
-        }
-        inv_sum[h] = 1.f / sum;
-      }
+      for (int64_t h = 0; h < b.num_heads; ++h) inv_sum[h] = exp_shifted(scores.data() + h * padded_len, len);
       // Weighted values, 16 positions at a time: the tile's value rows stay in L1
       // while each query head adds it to its accumulators (held in registers).
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -262,18 +266,7 @@ void paged_decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, c
         }
       }
       // Softmax per query head, in the accumulation type.
-      for (int64_t h = 0; h < b.num_heads; ++h) {
-        acc_t* sh = scores.data() + h * len;
-        acc_t m = sh[0];  // scores are finite: no -inf start (built with -ffast-math)
-        for (int64_t pos = 1; pos < len; ++pos) m = std::max(m, sh[pos]);
-        acc_t sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t pos = 0; pos < len; ++pos) {
-          sh[pos] = std::exp(sh[pos] - m);
-          sum += sh[pos];
-        }
-        inv_sum[h] = acc_t(1) / sum;
-      }
+      for (int64_t h = 0; h < b.num_heads; ++h) inv_sum[h] = exp_shifted(scores.data() + h * len, len);
       // Weighted values: each value row is loaded once for its group.
       std::fill(acc.begin(), acc.end(), acc_t(0));
       for (int64_t pos = 0; pos < len; ++pos) {
