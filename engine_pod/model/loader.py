@@ -116,5 +116,5 @@ def build_model(
     model.eval()
     model.requires_grad_(False)
     if device.type == "cpu":
-        pack_cpu_weights(model)
+        pack_cpu_weights(model, own_kernels=backend.name == "cpu")
     return model

@@ -14,7 +14,9 @@ On a CPU the projection weights are repacked once loaded into oneDNN's
 blocked layout (``pack_weight``): its GEMMs then read the weights in the
 order they compute, which on the bench model's shapes took 1.2-1.8x less
 time than the unpacked GEMM (decode batches the most: `tessera bench
-cpu-kernels`).
+cpu-kernels`). float32 weights on an AVX2 machine without AVX-512 go to the
+cpu backend's own GEMM instead (cpu_ops/linear_f32.cpp), which there runs
+the few-row products of decode steps 1.1-1.5x faster than oneDNN's.
 """
 
 from __future__ import annotations
@@ -30,37 +32,49 @@ from engine_pod.model.weight_source import WeightSource
 
 class PackableLinear(nn.Module):
     """A layer whose forward multiplies by ``weight`` (and adds ``bias``),
-    with the weight either dense or, on a CPU, packed for oneDNN."""
+    with the weight either dense or, on a CPU, packed for oneDNN or for the
+    cpu backend's float32 GEMM."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
-    packed = False
+    packed: str | None = None  # None (dense), "onednn" or "tessera"
+    out_features = 0  # the dense weight's rows (a "tessera" weight holds them in padded panels)
 
-    def pack_weight(self) -> bool:
-        """Replace the dense weight by its oneDNN-packed copy (same shape and
-        values; only ``matmul`` reads it). False where oneDNN cannot pack
-        this dtype on this CPU: the layer stays dense."""
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-        except RuntimeError:
-            return False
+    def pack_weight(self, own_kernels: bool = False) -> bool:
+        """Replace the dense weight by a packed copy that only ``matmul``
+        reads: for the cpu backend's float32 GEMM where ``own_kernels`` (its
+        ops are loaded) and it runs here, else for oneDNN (same shape and
+        values). False where neither can take this dtype on this CPU: the
+        layer stays dense."""
+        dense = self.weight.detach()
+        if own_kernels and dense.dtype == torch.float32 and torch.ops.tessera_cpu.linear_f32_supported():
+            packed, kind = torch.ops.tessera_cpu.pack_linear_f32(dense), "tessera"
+        else:
+            try:
+                packed, kind = torch.ops.mkldnn._reorder_linear_weight(dense, None), "onednn"
+            except RuntimeError:
+                return False
+        self.out_features = dense.shape[0]
         self.weight = nn.Parameter(packed, requires_grad=False)
-        self.packed = True
+        self.packed = kind
         return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed:
+        if self.packed == "tessera":
+            return torch.ops.tessera_cpu.linear_f32(x, self.weight, self.out_features, bias)
+        if self.packed == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [None], "")
         return nn.functional.linear(x, self.weight, bias)
 
 
-def pack_cpu_weights(model: nn.Module) -> int:
+def pack_cpu_weights(model: nn.Module, own_kernels: bool = False) -> int:
     """Pack every projection of a CPU model (not embeddings: they are looked
-    up by row). Returns how many layers were packed."""
-    if not torch.backends.mkldnn.is_available():
+    up by row); ``own_kernels``: the cpu backend's ops are loaded, so its
+    float32 GEMM may take them. Returns how many layers were packed."""
+    if not torch.backends.mkldnn.is_available() and not own_kernels:
         return 0
     layers = [m for m in model.modules() if _is_packable(m) and m.weight.device.type == "cpu"]
-    return sum(layer.pack_weight() for layer in layers)
+    return sum(layer.pack_weight(own_kernels) for layer in layers)
 
 
 @dataclass(frozen=True)

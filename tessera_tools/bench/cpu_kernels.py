@@ -17,7 +17,8 @@ on the model's own shapes, side by side in one run.
   token counts: torch's operator chain against the C++ kernels;
 - the projections of all layers (q/k/v, o, gate/up, down) and the LM head at
   several token counts: dense weights through torch's GEMM against weights
-  packed for oneDNN. Each layer has its own weights, so like the engine the
+  packed for oneDNN, and in float32 where it runs (AVX2 without AVX-512) the
+  cpu backend's own GEMM (cpu_ops/linear_f32.cpp). Each layer has its own weights, so like the engine the
   GEMMs stream weights from memory instead of finding them in cache.
 
 Each pair is first checked to compute the same result (the command fails
@@ -255,6 +256,9 @@ def bench_linear(arch, dtype, token_counts, repeats, gen) -> list[dict]:
     except RuntimeError as exc:
         print(f"oneDNN cannot pack {dtype} here: {exc}")
         return []
+    own = None  # the cpu backend's float32 GEMM, where it runs (the engine's choice there)
+    if dtype == torch.float32 and torch.ops.tessera_cpu.linear_f32_supported():
+        own = [[torch.ops.tessera_cpu.pack_linear_f32(w) for w in layer] for layer in dense]
     flops_per_token = 2 * sum(w.shape[0] * w.shape[1] for layer in dense for w in layer)
     rows = []
     for tokens in token_counts:
@@ -271,20 +275,36 @@ def bench_linear(arch, dtype, token_counts, repeats, gen) -> list[dict]:
                 for w in layer:
                     torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], w, None, "none", [None], "")
 
+        def run_own():
+            for layer, weights in zip(dense, own):
+                for w, p in zip(layer, weights):
+                    torch.ops.tessera_cpu.linear_f32(inputs[w.shape[1]], p, w.shape[0], None)
+
         with torch.inference_mode():
             x = inputs[dense[0][0].shape[1]]
-            diff = (torch.nn.functional.linear(x, dense[0][0]) -
-                    torch.ops.mkldnn._linear_pointwise(x, packed[0][0], None, "none", [None], "")).abs().max()
-            if diff > 1e-3 * max(1.0, float(x.abs().max())):
-                raise RuntimeError(f"{tokens} tokens: packed and dense products disagree (max |diff| {diff:.3g})")
+            expected = torch.nn.functional.linear(x, dense[0][0])
+            products = {"oneDNN-packed": torch.ops.mkldnn._linear_pointwise(x, packed[0][0], None, "none", [None], "")}
+            if own is not None:
+                products["tessera"] = torch.ops.tessera_cpu.linear_f32(x, own[0][0], dense[0][0].shape[0], None)
+            for name, product in products.items():
+                diff = (product - expected).abs().max()
+                if diff > 1e-3 * max(1.0, float(x.abs().max())):
+                    raise RuntimeError(f"{tokens} tokens: {name} and dense products disagree (max |diff| {diff:.3g})")
             dense_s, packed_s = best_of(run_dense, repeats), best_of(run_packed, repeats)
+            own_s = best_of(run_own, repeats) if own is not None else None
         row = {"tokens": tokens, "dense_ms": dense_s * 1e3, "packed_ms": packed_s * 1e3,
                "dense_gflops": flops_per_token * tokens / dense_s / 1e9,
                "packed_gflops": flops_per_token * tokens / packed_s / 1e9, "speedup": dense_s / packed_s}
+        line = (f"all projections + LM head, {tokens:4d} tokens: dense {row['dense_ms']:7.1f} ms "
+                f"({row['dense_gflops']:5.1f} GFLOP/s), oneDNN-packed {row['packed_ms']:7.1f} ms "
+                f"({row['packed_gflops']:5.1f} GFLOP/s), {row['speedup']:.2f}x")
+        if own_s is not None:
+            row.update(own_ms=own_s * 1e3, own_gflops=flops_per_token * tokens / own_s / 1e9,
+                       own_vs_packed=packed_s / own_s)
+            line += (f"; tessera GEMM {row['own_ms']:7.1f} ms ({row['own_gflops']:5.1f} GFLOP/s), "
+                     f"{row['own_vs_packed']:.2f}x oneDNN")
         rows.append(row)
-        print(f"all projections + LM head, {tokens:4d} tokens: dense {row['dense_ms']:7.1f} ms "
-              f"({row['dense_gflops']:5.1f} GFLOP/s), oneDNN-packed {row['packed_ms']:7.1f} ms "
-              f"({row['packed_gflops']:5.1f} GFLOP/s), {row['speedup']:.2f}x", flush=True)
+        print(line, flush=True)
     return rows
 
 

@@ -69,7 +69,8 @@ def _workload_record(requests: list[BenchRequest]) -> dict:
 
 
 def _other_run(args: argparse.Namespace, llm: LLM, requests: list[BenchRequest]) -> dict | None:
-    """--peer vllm, --profile-ops or --ablate: their part of the report; None for the comparison with HF."""
+    """--peer vllm, --profile-ops, --step-breakdown or --ablate: their part of the report; None for the
+    comparison with HF."""
     if args.ablate:
         from tessera_tools.bench.kernel_ablation import ablate
 
@@ -79,6 +80,8 @@ def _other_run(args: argparse.Namespace, llm: LLM, requests: list[BenchRequest])
 
         run = profile_against_vllm if args.profile_ops else run_against_vllm
         return run(args, llm, requests, generate_greedy)
+    if args.step_breakdown:
+        return _step_breakdown(llm, requests)
     if args.profile_ops:
         from tessera_tools.bench.op_profile import describe, profile_ops
 
@@ -89,11 +92,31 @@ def _other_run(args: argparse.Namespace, llm: LLM, requests: list[BenchRequest])
     return None
 
 
+def _step_breakdown(llm: LLM, requests: list[BenchRequest]) -> dict:
+    from tessera_tools.bench.profile import StepRecorder
+    from tessera_tools.bench.step_breakdown import as_report, describe, summarise
+
+    recorder = StepRecorder()
+    llm.engine_core.step_observer, recorder.recording = recorder, True
+    try:
+        engine = run_engine(llm, requests)
+    finally:
+        llm.engine_core.step_observer = None
+    groups = summarise(recorder.samples)
+    print(f"one generate ({llm.config.model.dtype}): {engine.useful_tokens} tokens in {engine.seconds:.1f} s, "
+          f"{engine.steps} steps, by kind of step:")
+    print(describe(groups))
+    return {"tessera": {**asdict(engine), "tokens_per_second": engine.tokens_per_second}, "steps": as_report(groups)}
+
+
 def _warm_up(llm: LLM) -> None:
     llm.generate([{"prompt_token_ids": [5] * 64}] * 4, SamplingParams(temperature=0.0, max_tokens=4))
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.peer and (args.step_breakdown or args.ablate):
+        print("--peer runs with --profile-ops or on its own, not with --step-breakdown or --ablate")
+        return 2
     llm = LLM(
         args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -150,10 +173,16 @@ def add_parser(kinds) -> None:
     p.add_argument("--kv-cache-gib", type=positive_float, default=4.0)
     p.add_argument("--hf-batch-size", type=positive_int, default=32)
     p.add_argument("--skip-hf", action="store_true", help="run Tessera only")
-    p.add_argument("--profile-ops", action="store_true",
-                   help="instead: one generate under torch's profiler, its time by kind of operator (op_profile.py)")
-    p.add_argument("--ablate", choices=ABLATIONS, default=None,
-                   help="instead: this CPU kernel off and on in alternated --rounds of one engine (kernel_ablation.py)")
+    instead = p.add_mutually_exclusive_group()
+    instead.add_argument("--profile-ops", action="store_true",
+                         help="instead: one generate under torch's profiler, its time by kind of operator "
+                              "(op_profile.py; with --peer vllm, both engines)")
+    instead.add_argument("--step-breakdown", action="store_true",
+                         help="instead: one generate, its engine steps grouped by kind with their time "
+                              "(step_breakdown.py; Tessera only)")
+    instead.add_argument("--ablate", choices=ABLATIONS, default=None,
+                         help="instead: this CPU kernel off and on in alternated --rounds of one engine "
+                              "(kernel_ablation.py)")
     peer = p.add_argument_group("peer, instead of HF (docs/benchmarks.md)")
     add_offline_peer_args(peer)
     peer.add_argument("--rounds", type=positive_int, default=3,

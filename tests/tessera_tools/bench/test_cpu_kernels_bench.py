@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tessera_tools.cli import main
 
@@ -24,6 +25,10 @@ def test_cpu_kernels_bench_checks_and_reports_both_sides(tiny_llama, tmp_path):
     assert [r["tokens"] for r in report["linear"]] == [1, 7]
     for row in report["linear"]:
         assert row["dense_ms"] > 0 and row["packed_ms"] > 0 and row["packed_gflops"] > 0
+        if torch.ops.tessera_cpu.linear_f32_supported():  # float32 here: the cpu backend's GEMM too
+            assert row["own_ms"] > 0 and abs(row["own_vs_packed"] - row["packed_ms"] / row["own_ms"]) < 1e-9
+        else:
+            assert "own_ms" not in row
     assert [r["tokens"] for r in report["prefill"]] == [9, 40]
     for row in report["prefill"]:
         assert row["torch_ms"] > 0 and row["cpu_ms"] > 0 and row["max_abs_diff"] < 1e-3
