@@ -106,7 +106,12 @@ def _step_breakdown(llm: LLM, requests: list[BenchRequest]) -> dict:
     print(f"one generate ({llm.config.model.dtype}): {engine.useful_tokens} tokens in {engine.seconds:.1f} s, "
           f"{engine.steps} steps, by kind of step:")
     print(describe(groups))
-    return {"tessera": {**asdict(engine), "tokens_per_second": engine.tokens_per_second}, "steps": as_report(groups)}
+    return {"tessera": _engine_record(engine), "steps": as_report(groups)}
+
+
+def _engine_record(engine: EngineRunResult) -> dict:
+    return {**asdict(engine), "tokens_per_second": engine.tokens_per_second,
+            "share_outside_forward": engine.share_outside_forward}
 
 
 def _warm_up(llm: LLM) -> None:
@@ -134,8 +139,7 @@ def main(args: argparse.Namespace) -> int:
     engine = run_engine(llm, requests)
     report = {
         "workload": _workload_record(requests),
-        "tessera": {**asdict(engine), "tokens_per_second": engine.tokens_per_second,
-                    "share_outside_forward": engine.share_outside_forward},
+        "tessera": _engine_record(engine),
     }
     print(f"dtype {llm.config.model.dtype}, device {llm.config.device}")
     print(f"tessera: {engine.useful_tokens} tokens in {engine.seconds:.1f}s = {engine.tokens_per_second:.1f} tok/s; "
