@@ -16,6 +16,13 @@ it (many requests after one cached prefix), and their work items share the
 threads. Otherwise chunk by chunk, a chunk after cached context reading it
 from the paged cache through its block table (prefill_attention_paged).
 float64 engines keep the torch path (the kernel computes in float32).
+
+The kernels stay the default even where torch's SDPA is faster (bf16 on CPUs
+with AMX, whose matrix tiles SDPA's flash kernel uses: 0.3-0.8 of the
+kernels' time on fresh chunks, 4% of the bench's throughput): a chunk's
+output here does not depend on how the prompt was chunked or how much of it
+came from the prefix cache, where SDPA's blocking follows the chunk's length,
+and in bf16 that moved greedy tokens at near-ties after a cache hit.
 """
 
 from __future__ import annotations
@@ -29,6 +36,14 @@ from engine_pod.attention.torch_backend import TorchAttentionBackend
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
+    def __init__(self, prefill_kernels: bool = True) -> None:
+        self.prefill_kernels = prefill_kernels
+        """Prefill chunks on the C++ kernels (True) or on the torch backend's SDPA (False: the
+        ablation of `bench throughput --ablate prefill-kernel`)."""
+
+    def _prefill_on_kernels(self, dtype: torch.dtype) -> bool:
+        return self.prefill_kernels and dtype != torch.float64
+
     @staticmethod
     def _decode(query, out, kv_cache, md: AttentionMetadata, scale: float, gqa: bool) -> None:
         nd = md.num_decodes
@@ -39,16 +54,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _prefills(self, query, key, value, out, kv_cache, md: AttentionMetadata, scale: float, gqa: bool) -> None:
         batched = md.backend_cache.get("cpu_prefill_batch")
         if batched is None:
-            batched = md.backend_cache["cpu_prefill_batch"] = bool(
+            batched = md.backend_cache["cpu_prefill_batch"] = self._prefill_on_kernels(query.dtype) and bool(
                 torch.ops.tessera_cpu.prefill_batch_supported(query, kv_cache[0]))
         if not batched:
             return super()._prefills(query, key, value, out, kv_cache, md, scale, gqa)
         torch.ops.tessera_cpu.prefill_attention_batch(query, kv_cache[0], kv_cache[1], md.block_table,
                                                       md.query_start_loc, md.seq_lens, md.num_decodes, scale, out)
 
-    @staticmethod
-    def _prefill(i, q, k_new, v_new, kv_cache, md: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:
-        if q.dtype == torch.float64:
+    def _prefill(self, i, q, k_new, v_new, kv_cache, md: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:
+        if not self._prefill_on_kernels(q.dtype):
             return TorchAttentionBackend._prefill(i, q, k_new, v_new, kv_cache, md, scale, gqa)
         seq_len = int(md.seq_lens_cpu[i])
         out = torch.empty_like(q)

@@ -6,6 +6,7 @@ import torch
 
 from engine_pod.model.hf_config import ModelArchConfig
 from engine_pod.model.parallel_layers import kv_heads_per_rank
+from engine_pod.worker.cpu_malloc import advise_huge_pages
 
 
 def bytes_per_block(cfg: ModelArchConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -24,8 +25,12 @@ def allocate_kv_caches(
     connector move a block across all layers with a single index_select.
 
     Zeroed, not empty: attention masks unwritten slots, but a masked NaN
-    from uninitialised memory would still poison the weighted sum.
+    from uninitialised memory would still poison the weighted sum. On a CPU
+    the memory is advised to huge pages before it is zeroed (cpu_malloc).
     """
     heads = kv_heads_per_rank(cfg.num_key_value_heads, tp_size)
     shape = (cfg.num_hidden_layers, 2, num_blocks, block_size, heads, cfg.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    cache = torch.empty(shape, dtype=dtype, device=device)
+    if cache.device.type == "cpu":
+        advise_huge_pages(cache)
+    return cache.zero_()

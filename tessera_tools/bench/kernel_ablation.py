@@ -14,7 +14,6 @@ whose greedy outputs are identical both ways.
 from __future__ import annotations
 
 import statistics
-import types
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -41,18 +40,15 @@ def kernel_switched_off(llm: LLM, kernel: str):
                 module.cpu_kernels = True
         return
     from engine_pod.attention.cpu_backend import CpuAttentionBackend
-    from engine_pod.attention.torch_backend import TorchAttentionBackend
 
     backend = llm.engine_core.executor.runner.backend
     if not isinstance(backend, CpuAttentionBackend):
         raise ValueError(f"--ablate prefill-kernel: this engine runs the {backend.name} attention backend, not cpu")
-    # Instance attributes shadow the class's kernel paths: the torch backend's chunk loop and chunk.
-    backend._prefills = types.MethodType(TorchAttentionBackend._prefills, backend)
-    backend._prefill = TorchAttentionBackend._prefill
+    before, backend.prefill_kernels = backend.prefill_kernels, False
     try:
         yield
     finally:
-        del backend._prefills, backend._prefill
+        backend.prefill_kernels = before
 
 
 def ablate(llm: LLM, requests: list[BenchRequest], kernel: str, rounds: int, generate: Callable) -> dict:

@@ -8,24 +8,31 @@
 // its GQA group), a softmax in the accumulation type, one pass of p.v.
 //
 // A score is a dot product over the head size, and summing one vector's lanes
-// costs more than the products themselves. The vectorised path (float32 and
-// bf16, head size 64 or 128, AVX-512) therefore keeps 16 keys' products as 16
-// vectors and sums them together through a transposing tree (sum_lanes16),
-// about 3 instructions a key where a horizontal sum each costs 8; bf16 rows
-// are multiplied as bf16 pairs into float (AVX-512 BF16). Each tile of 16
-// positions is read as whole rows and then served from L1 to every query head.
+// costs more than the products themselves. The vectorised paths (head size 64
+// or 128: float32 on AVX-512, bf16 on AVX-512 BF16) therefore keep 16 keys'
+// products as 16 vectors and sum them together through a transposing tree
+// (sum_lanes16), about 3 instructions a key where a horizontal sum each costs
+// 8. Each tile of 16 positions is read as whole rows and then served from L1
+// to every query head. The bf16 path (Bf16Decode) also multiplies the values
+// as bf16 pairs and hands sequences to threads longest first.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "bf16_bits.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -124,25 +131,6 @@ struct QueryRow<float, kDim> {
   static __m512 widen(const float* v) { return _mm512_loadu_ps(v); }
 };
 
-#if defined(__AVX512BF16__)
-template <int64_t kDim>
-struct QueryRow<at::BFloat16, kDim> {
-  static constexpr bool kVectorised = true;
-  __m512bh q[kDim / 32];  // bf16 pairs: the products are exact in float, the sum float
-  explicit QueryRow(const at::BFloat16* src) {
-    for (int64_t c = 0; c < kDim / 32; ++c) q[c] = (__m512bh)_mm512_loadu_si512(src + 32 * c);
-  }
-  __m512 partial(const at::BFloat16* k) const {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < kDim / 32; ++c) acc = _mm512_dpbf16_ps(acc, q[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
-    return acc;
-  }
-  static __m512 widen(const at::BFloat16* v) {  // 16 bf16 -> float: the bits shifted up
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-  }
-};
-#endif
 
 template <typename scalar_t, int64_t kDim>
 struct QueryRow {
@@ -222,6 +210,191 @@ void paged_decode_vectorised(const at::Tensor& query, const at::Tensor& key_cach
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// bf16 rows, head size 64 or 128: dot products of bf16 pairs into float for
+// both passes. A work item is one sequence; items go to whichever thread is
+// free, longest first (contexts are long-tailed: a static split leaves one
+// core idle at the end). Rows are read whole (all KV heads of a position), as
+// the float kernel reads them: walking one KV head's slices of the rows
+// instead measured 1.2x slower on a 2-core machine (a strided stream).
+//
+// Values: a tile's rows are first interleaved two positions at a time
+// (v[p][d], v[p+1][d]) into an L1 buffer; each query head then adds both
+// positions, weighted by its bf16-rounded probabilities, in one dot product a
+// lane. Accumulation is float; rounding the probabilities is what the prefill
+// kernel and torch's flash kernel do for bf16.
+template <int64_t kDim>
+struct Bf16Decode {
+  static constexpr int64_t kTile = 16, kPairs = kTile / 2, kRowVectors = kDim / 32, kChunks = kDim / 16;
+
+  // A sequence's rows, position after position, without a division each.
+  struct Cursor {
+    const uint16_t* base;
+    const int64_t* blocks;
+    int64_t block_size, block_stride, token_stride, block = 0, offset = 0;
+    const uint16_t* next() {
+      const uint16_t* row = base + blocks[block] * block_stride + offset * token_stride;
+      if (++offset == block_size) offset = 0, ++block;
+      return row;
+    }
+  };
+
+  // Per-thread buffers.
+  struct Scratch {
+    std::vector<float> scores, acc, inv_sum;
+    std::vector<uint16_t> probs;
+    std::vector<__m512i> interleaved;  // [KV head][pair][kRowVectors * 2]
+    explicit Scratch(const Bf16Decode& d)
+        : scores(d.b.num_heads * d.score_stride), acc(d.b.num_heads * kDim), inv_sum(d.b.num_heads),
+          probs(d.b.num_heads * d.prob_stride), interleaved(d.b.num_kv_heads * kPairs * kChunks) {}
+  };
+
+  const DecodeBatch<at::BFloat16>& b;
+  const uint16_t* k;
+  const uint16_t* v;
+  int64_t block_stride, token_stride, head_stride, row_bytes, score_stride, prob_stride;
+  float scale;
+
+  Bf16Decode(const DecodeBatch<at::BFloat16>& b, const at::Tensor& key_cache, double scale)
+      : b(b), k(reinterpret_cast<const uint16_t*>(b.k)), v(reinterpret_cast<const uint16_t*>(b.v)),
+        block_stride(key_cache.stride(0)), token_stride(key_cache.stride(1)), head_stride(key_cache.stride(2)),
+        row_bytes(b.num_kv_heads * key_cache.stride(2) * 2), score_stride((b.max_len + kTile - 1) / kTile * kTile),
+        prob_stride(score_stride), scale(static_cast<float>(scale)) {}
+
+  Cursor cursor(const uint16_t* cache, int64_t seq, int64_t start) const {
+    return {cache, b.table + seq * b.table_stride, b.block_size, block_stride, token_stride, start / b.block_size,
+            start % b.block_size};
+  }
+
+  // The tile's rows (nullptr past len), and the next tile's rows to prefetch (nullptr past len).
+  void next_tile(Cursor& rows, Cursor& ahead, int64_t t0, int64_t len, const uint16_t* (&tile)[kTile],
+                 const uint16_t* (&upcoming)[kTile]) const {
+    for (int64_t j = 0; j < kTile; ++j) tile[j] = t0 + j < len ? rows.next() : nullptr;
+    for (int64_t j = 0; j < kTile; ++j) upcoming[j] = t0 + kTile + j < len ? ahead.next() : nullptr;
+  }
+
+  // Head h's share of the next tile's prefetches: spread over the heads' work, not all at once.
+  void prefetch_share(const uint16_t* const (&upcoming)[kTile], int64_t h) const {
+    for (int64_t j = h; j < kTile; j += b.num_heads)
+      if (upcoming[j]) prefetch_row(upcoming[j], row_bytes);
+  }
+
+  // scores[h][pos] = scale * q_h . k_pos, 16 positions at a time.
+  void scores(int64_t seq, int64_t len, float* scores) const {
+    const __m512 alpha = _mm512_set1_ps(scale);
+    Cursor rows = cursor(k, seq, 0), ahead = cursor(k, seq, std::min(kTile, len));
+    for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+      const int64_t n = std::min(kTile, len - t0);
+      const uint16_t* keys[kTile];
+      const uint16_t* upcoming[kTile];
+      next_tile(rows, ahead, t0, len, keys, upcoming);
+      for (int64_t j = n; j < kTile; ++j) keys[j] = keys[n - 1];
+      for (int64_t h = 0; h < b.num_heads; ++h) {
+        const at::BFloat16* qh = b.q + seq * b.q_seq_stride + h * b.q_head_stride;
+        __m512bh q[kRowVectors];
+        for (int64_t c = 0; c < kRowVectors; ++c) q[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
+        prefetch_share(upcoming, h);
+        const int64_t offset = (h / b.group) * head_stride;
+        __m512 partials[kTile];
+        for (int64_t j = 0; j < kTile; ++j) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t c = 0; c < kRowVectors; ++c)
+            acc = _mm512_dpbf16_ps(acc, q[c], (__m512bh)_mm512_loadu_si512(keys[j] + offset + 32 * c));
+          partials[j] = acc;
+        }
+        _mm512_mask_storeu_ps(scores + h * score_stride + t0, static_cast<__mmask16>((1u << n) - 1),
+                              _mm512_mul_ps(sum_lanes16(partials), alpha));
+      }
+    }
+  }
+
+  // Each head's softmax, left unnormalised and rounded to bf16 in probs (zero past len up
+  // to the tile's end); 1 / sum to inv_sum.
+  void probabilities(int64_t len, float* scores, uint16_t* probs, float* inv_sum) const {
+    const int64_t padded = (len + kTile - 1) / kTile * kTile;
+    for (int64_t h = 0; h < b.num_heads; ++h) {
+      float* s = scores + h * score_stride;
+      uint16_t* p = probs + h * prob_stride;
+      inv_sum[h] = exp_shifted(s, len);
+      for (int64_t pos = 0; pos < len; ++pos) p[pos] = tessera_cpu::to_bf16_bits(s[pos]);
+      std::fill(p + len, p + padded, uint16_t(0));
+    }
+  }
+
+  void values(int64_t seq, int64_t len, Scratch& s) const {
+    std::fill(s.acc.begin(), s.acc.end(), 0.f);
+    Cursor rows = cursor(v, seq, 0), ahead = cursor(v, seq, std::min(kTile, len));
+    for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+      const uint16_t* tile[kTile];
+      const uint16_t* upcoming[kTile];
+      next_tile(rows, ahead, t0, len, tile, upcoming);
+      // Interleave the tile's rows in pairs of positions, per KV head (a missing row is zeros:
+      // its probability is zero too, but 0 * garbage could be NaN).
+      for (int64_t pair = 0; pair < kPairs && t0 + 2 * pair < len; ++pair) {
+        const uint16_t* first = tile[2 * pair];
+        const uint16_t* second = tile[2 * pair + 1];
+        for (int64_t kv = 0; kv < b.num_kv_heads; ++kv) {
+          __m512i* dst = s.interleaved.data() + (kv * kPairs + pair) * kChunks;
+          for (int64_t c = 0; c < kRowVectors; ++c) {
+            const __m512i a = _mm512_loadu_si512(first + kv * head_stride + 32 * c);
+            const __m512i z = second ? _mm512_loadu_si512(second + kv * head_stride + 32 * c) : _mm512_setzero_si512();
+            dst[2 * c] = _mm512_unpacklo_epi16(a, z);
+            dst[2 * c + 1] = _mm512_unpackhi_epi16(a, z);
+          }
+        }
+      }
+      const int64_t pairs = std::min(kPairs, (len - t0 + 1) / 2);
+      for (int64_t h = 0; h < b.num_heads; ++h) {
+        const __m512i* src = s.interleaved.data() + (h / b.group) * kPairs * kChunks;
+        const uint16_t* p = s.probs.data() + h * prob_stride + t0;
+        float* ah = s.acc.data() + h * kDim;
+        prefetch_share(upcoming, h);
+        __m512 acc[kChunks];
+        for (int64_t c = 0; c < kChunks; ++c) acc[c] = _mm512_loadu_ps(ah + 16 * c);
+        for (int64_t pair = 0; pair < pairs; ++pair) {
+          int32_t weights;
+          std::memcpy(&weights, p + 2 * pair, sizeof(weights));
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(weights);
+          for (int64_t c = 0; c < kChunks; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], w, (__m512bh)src[pair * kChunks + c]);
+        }
+        for (int64_t c = 0; c < kChunks; ++c) _mm512_storeu_ps(ah + 16 * c, acc[c]);
+      }
+    }
+    // Lane 4L + j of chunk 2c holds dimension 32c + 8L + j, of chunk 2c + 1 dimension 32c + 8L + 4 + j.
+    for (int64_t h = 0; h < b.num_heads; ++h) {
+      uint16_t* dst = reinterpret_cast<uint16_t*>(b.out + (seq * b.num_heads + h) * kDim);
+      const float* ah = s.acc.data() + h * kDim;
+      for (int64_t d = 0; d < kDim; ++d) {
+        const int64_t c = d / 32, r = d % 32;
+        dst[d] = tessera_cpu::to_bf16_bits(ah[(2 * c + (r / 4) % 2) * 16 + (r / 8) * 4 + r % 4] * s.inv_sum[h]);
+      }
+    }
+  }
+
+  void attend(int64_t seq, Scratch& s) const {
+    const int64_t len = b.lens[seq];
+    if (len == 0) {  // nothing to attend to: zeros, not whatever the output held
+      std::fill_n(b.out + seq * b.num_heads * kDim, b.num_heads * kDim, at::BFloat16(0.f));
+      return;
+    }
+    scores(seq, len, s.scores.data());
+    probabilities(len, s.scores.data(), s.probs.data(), s.inv_sum.data());
+    values(seq, len, s);
+  }
+
+  void run() const {
+    std::vector<int64_t> order(b.num_seqs);
+    for (int64_t seq = 0; seq < b.num_seqs; ++seq) order[seq] = seq;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return b.lens[x] > b.lens[y]; });
+    std::atomic<size_t> next{0};
+    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), b.num_seqs), 1, [&](int64_t, int64_t) {
+      Scratch s(*this);
+      for (size_t i = next++; i < order.size(); i = next++) attend(order[i], s);
+    });
+  }
+};
+#endif
+
 template <typename scalar_t, int64_t kHeadDim>
 void paged_decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                          const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
@@ -292,6 +465,14 @@ void paged_decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, c
 template <typename scalar_t, int64_t kDim>
 void paged_decode_dispatch(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    if (value_cache.strides() == key_cache.strides()) {
+      const DecodeBatch<at::BFloat16> b(query, key_cache, value_cache, block_table, seq_lens, out);
+      return Bf16Decode<kDim>(b, key_cache, scale).run();
+    }
+  }
+#endif
 #if defined(__AVX512F__)
   if constexpr (QueryRow<scalar_t, kDim>::kVectorised) {
     if (value_cache.strides() == key_cache.strides())

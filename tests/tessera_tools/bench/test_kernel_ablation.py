@@ -8,7 +8,6 @@ import json
 import pytest
 
 from engine_pod import LLM
-from engine_pod.attention.cpu_backend import CpuAttentionBackend
 from tessera_tools.bench.kernel_ablation import kernel_switched_off
 from tessera_tools.cli import main
 
@@ -37,8 +36,7 @@ def test_switching_off_takes_the_torch_paths_and_is_undone(tiny_llama, monkeypat
         monkeypatch.setattr("torch.ops.tessera_cpu.prefill_attention", lambda *a: calls.append(a), raising=False)
         with kernel_switched_off(llm, "prefill-kernel"):
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
-        assert calls == [] and runner.backend._prefill == CpuAttentionBackend._prefill
-        assert runner.backend._prefills.__func__ is CpuAttentionBackend._prefills  # the chunk loop is back too
+        assert calls == [] and runner.backend.prefill_kernels  # switched back on
         llm.generate([{"prompt_token_ids": [8, 9, 10]}], use_tqdm=False)  # switched back on: the kernel runs
         assert len(calls) == runner.model.config.num_hidden_layers
 
