@@ -15,10 +15,42 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
-def free_port() -> int:
+_handed_out: set[int] = set()
+
+
+def _ephemeral_start(default: int = 32768) -> int:
+    """The first port Linux hands to outgoing connections as their source port."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def free_port(attempts: int = 200) -> int:
+    """A loopback port free right now for a child to listen on, never one this process handed
+    out before, and below the ephemeral range where one is free there. A port the kernel picks
+    (bind to 0) lies in that range, where any outgoing connection on the machine may take it
+    as its source port before the child binds it: two pods started together once met that way
+    ("Address already in use")."""
+    import random
+
+    top = min(_ephemeral_start(), 60000)
+    for _ in range(attempts if top > 20100 else 0):
+        port = random.randrange(20000, top)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _handed_out.add(port)
+    return port
 
 
 def free_port_range(count: int, attempts: int = 200) -> int:
