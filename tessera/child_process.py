@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,8 +33,6 @@ def free_port(attempts: int = 200) -> int:
     (bind to 0) lies in that range, where any outgoing connection on the machine may take it
     as its source port before the child binds it: two pods started together once met that way
     ("Address already in use")."""
-    import random
-
     top = min(_ephemeral_start(), 60000)
     for _ in range(attempts if top > 20100 else 0):
         port = random.randrange(20000, top)
@@ -56,8 +55,6 @@ def free_port(attempts: int = 200) -> int:
 def free_port_range(count: int, attempts: int = 200) -> int:
     """The first of ``count`` consecutive ports free on loopback right now
     (a host of simulated pods listens on consecutive ports)."""
-    import random
-
     for _ in range(attempts):
         first = random.randrange(20000, 60000 - count)
         sockets = []

@@ -49,6 +49,7 @@ from kv_store.tiered_store import TieredKVStore
 # the bench model's 165 MB ran 3% faster that way; below it the copy (about 3 ms a MiB) is not worth it.
 HUGE_PAGE_WEIGHT_BYTES = 64 << 20
 
+
 class ModelRunner:
     """One rank's model, KV cache and per-request state; the one entry point
     of the worker side.

@@ -246,20 +246,21 @@ struct Bf16Decode {
     std::vector<__m512i> interleaved;  // [KV head][pair][kRowVectors * 2]
     explicit Scratch(const Bf16Decode& d)
         : scores(d.b.num_heads * d.score_stride), acc(d.b.num_heads * kDim), inv_sum(d.b.num_heads),
-          probs(d.b.num_heads * d.prob_stride), interleaved(d.b.num_kv_heads * kPairs * kChunks) {}
+          probs(d.b.num_heads * d.score_stride), interleaved(d.b.num_kv_heads * kPairs * kChunks) {}
   };
 
   const DecodeBatch<at::BFloat16>& b;
   const uint16_t* k;
   const uint16_t* v;
-  int64_t block_stride, token_stride, head_stride, row_bytes, score_stride, prob_stride;
+  int64_t block_stride, token_stride, head_stride, row_bytes;
+  int64_t score_stride;  // per head, in scores and in probs: max_len rounded up to whole tiles
   float scale;
 
   Bf16Decode(const DecodeBatch<at::BFloat16>& b, const at::Tensor& key_cache, double scale)
       : b(b), k(reinterpret_cast<const uint16_t*>(b.k)), v(reinterpret_cast<const uint16_t*>(b.v)),
         block_stride(key_cache.stride(0)), token_stride(key_cache.stride(1)), head_stride(key_cache.stride(2)),
         row_bytes(b.num_kv_heads * key_cache.stride(2) * 2), score_stride((b.max_len + kTile - 1) / kTile * kTile),
-        prob_stride(score_stride), scale(static_cast<float>(scale)) {}
+        scale(static_cast<float>(scale)) {}
 
   Cursor cursor(const uint16_t* cache, int64_t seq, int64_t start) const {
     return {cache, b.table + seq * b.table_stride, b.block_size, block_stride, token_stride, start / b.block_size,
@@ -314,7 +315,7 @@ struct Bf16Decode {
     const int64_t padded = (len + kTile - 1) / kTile * kTile;
     for (int64_t h = 0; h < b.num_heads; ++h) {
       float* s = scores + h * score_stride;
-      uint16_t* p = probs + h * prob_stride;
+      uint16_t* p = probs + h * score_stride;
       inv_sum[h] = exp_shifted(s, len);
       for (int64_t pos = 0; pos < len; ++pos) p[pos] = tessera_cpu::to_bf16_bits(s[pos]);
       std::fill(p + len, p + padded, uint16_t(0));
@@ -346,7 +347,7 @@ struct Bf16Decode {
       const int64_t pairs = std::min(kPairs, (len - t0 + 1) / 2);
       for (int64_t h = 0; h < b.num_heads; ++h) {
         const __m512i* src = s.interleaved.data() + (h / b.group) * kPairs * kChunks;
-        const uint16_t* p = s.probs.data() + h * prob_stride + t0;
+        const uint16_t* p = s.probs.data() + h * score_stride + t0;
         float* ah = s.acc.data() + h * kDim;
         prefetch_share(upcoming, h);
         __m512 acc[kChunks];
