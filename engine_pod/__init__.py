@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine_pod.entrypoints.llm import LLM
+    from engine_pod.lora_request import LoRARequest
     from engine_pod.outputs import CompletionOutput, Logprob, RequestOutput
     from engine_pod.sampling_params import SamplingParams
 
@@ -23,9 +24,10 @@ _HOME = {
     "RequestOutput": "engine_pod.outputs",
     "CompletionOutput": "engine_pod.outputs",
     "Logprob": "engine_pod.outputs",
+    "LoRARequest": "engine_pod.lora_request",
 }
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest"]
 
 
 def __getattr__(name: str) -> Any:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine_pod.attention.selector import check_backend_name
+from engine_pod.lora.config import LoRAConfig
 from engine_pod.model.hf_config import ModelArchConfig, dtype_name, load_arch_config, parse_dtype
 from engine_pod.spec_decode.config import SpeculativeConfig
 from kv_store.block_hash import DEFAULT_BLOCK_SIZE
@@ -222,6 +223,8 @@ class EngineConfig:
     """Seed of torch's global generator in every worker (requests without a seed sample from it)."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding; None: none."""
+    lora: LoRAConfig | None = None
+    """LoRA adapters (enable_lora); None: the base model only."""
 
     @property
     def simulated(self) -> bool:
@@ -329,6 +332,10 @@ def create_engine_config(
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size,
     worker_threads: int | None = ParallelConfig.worker_threads,
     speculative_config: SpeculativeConfig | dict | str | None = EngineConfig.speculative,
+    enable_lora: bool = False,
+    max_loras: int = LoRAConfig.max_loras,
+    max_lora_rank: int = LoRAConfig.max_lora_rank,
+    max_cpu_loras: int | None = LoRAConfig.max_cpu_loras,
     simulate: bool = False,
 ) -> EngineConfig:
     """``simulate``: configure a simulated engine (no device, no dtype, no
@@ -338,8 +345,11 @@ def create_engine_config(
     parallel = ParallelConfig(tensor_parallel_size, worker_threads)
     arch = load_arch_config(path)
     parallel.validate_for(arch)
+    lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
     if simulate:
         _check_simulable(dtype, device, parallel, speculative)
+        if lora is not None:
+            raise ValueError("enable_lora: a simulated engine runs no adapters")
         dev, model_dtype = None, None
     else:
         dev = _resolve_device(device)
@@ -386,4 +396,5 @@ def create_engine_config(
         attention_backend=attention_backend,
         seed=seed,
         speculative=speculative,
+        lora=lora,
     )

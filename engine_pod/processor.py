@@ -7,6 +7,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from engine_pod.config import EngineConfig
+from engine_pod.lora.adapter import inspect_adapter
+from engine_pod.lora_request import AdapterSpec, LoRARequest
 from engine_pod.sampling_params import SamplingParams
 from tessera.text import encode_prompt
 
@@ -30,6 +32,8 @@ class Processor:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = config.model.arch.vocab_size
         self.max_model_len = config.model.max_model_len
+        # lora_int_id -> the adapter checked under it: one id names one adapter for the engine's life.
+        self._adapters: dict[int, AdapterSpec] = {}
 
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         if isinstance(prompt, str):
@@ -57,6 +61,28 @@ class Processor:
             raise ValueError(
                 f"prompt: the prompt has {len(ids)} tokens, longer than max_model_len={self.max_model_len}"
             )
+
+    def process_lora(self, lora_request: LoRARequest | None) -> AdapterSpec | None:
+        """Check the adapter a request names (read once per id); ValueError
+        for an engine without LoRA, a bad folder, or an id reused for another adapter."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        lora = self.config.lora
+        if lora is None:
+            raise ValueError("lora_request: this engine was started without enable_lora")
+        known = self._adapters.get(lora_request.lora_int_id)
+        if known is not None:
+            if (known.name, known.path) != (lora_request.lora_name, lora_request.lora_path):
+                raise ValueError(
+                    f"lora_request: lora_int_id {lora_request.lora_int_id} already names adapter {known.name!r} "
+                    f"({known.path}); give another adapter another id"
+                )
+            return known
+        spec = inspect_adapter(lora_request, self.config.model.arch, lora.max_lora_rank)
+        self._adapters[spec.lora_int_id] = spec
+        return spec
 
     def process_params(self, params: SamplingParams) -> SamplingParams:
         if not isinstance(params, SamplingParams):

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine_pod.lora_request import AdapterSpec
 from engine_pod.sampling_params import SamplingParams
 from kv_store.block_hash import BlockHash, hash_request_tokens
 
@@ -15,6 +16,8 @@ class RequestStatus(enum.IntEnum):
     # Waiting for its grammar to compile (vLLM's WAITING_FOR_FSM): skipped
     # by the scheduler, never blocking the requests behind it.
     WAITING_FOR_FSM = enum.auto()
+    # Waiting for its LoRA adapter to be read into host memory: the same.
+    WAITING_FOR_LORA = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this is finished.
@@ -49,6 +52,8 @@ class Request:
     # P/D: "produce" (a prefill pod: save prompt blocks to Redis before the
     # first token is reported) or None.
     kv_transfer_mode: str | None = None
+    # The LoRA adapter it runs on (checked by the Processor); None: the base model.
+    lora: AdapterSpec | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -113,6 +118,7 @@ class Request:
         parent = self.block_hashes[-1] if start else None
         self.block_hashes.extend(
             hash_request_tokens(
-                self.all_token_ids, self._hash_block_size, self.cache_salt, start, parent
+                self.all_token_ids, self._hash_block_size, self.cache_salt, start, parent,
+                self.lora.fingerprint if self.lora is not None else None,
             )
         )

@@ -17,6 +17,7 @@ import yaml
 
 from kv_store.block_hash import DEFAULT_BLOCK_SIZE
 from tessera.internal_channel import InternalTLS
+from tessera.lora import LORA_NAME_RE, LORA_NAME_RULE
 from tessera.roles import POD_ROLES
 
 # "score": KV-aware scoring of every pod (gateway/router.py); "bounded": the
@@ -37,6 +38,26 @@ class GatewayConfigError(ValueError):
     pass
 
 
+def lora_name_problem(name: object, base: str) -> str | None:
+    """Why `name` cannot name a LoRA adapter of the base model `base`, or
+    None: the one rule for the config's `model.loras` and the admin endpoint."""
+    if not isinstance(name, str) or not LORA_NAME_RE.fullmatch(name):
+        shown = name[:64] if isinstance(name, str) else name
+        return f"{shown!r} is not a valid adapter name ({LORA_NAME_RULE})"
+    if name == base:
+        return f"{name!r} is the base model's name; an adapter needs a name of its own"
+    return None
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """A LoRA adapter the gateway serves under its own model name."""
+
+    name: str
+    """The OpenAI `model` value that selects it (and the name the engine pods
+    serve it under: its folder is the pods' business, `--lora-modules NAME=PATH`)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
@@ -46,6 +67,15 @@ class ModelConfig:
     max_model_len: int | None = None
     # Must equal the engine pods' --block-size: the router hashes with it.
     block_size: int = DEFAULT_BLOCK_SIZE
+    loras: tuple[LoRAConfig, ...] = ()
+    """LoRA adapters of this model the pods serve, by name: each is a model of
+    its own to clients (`GET /v1/models`, with `parent` the base). The gateway
+    also learns adapters from the pods' load reports and from its admin
+    endpoint (docs/gateway.md); names only, the folders live on the pods."""
+    lora_admin_timeout_s: float = 30.0
+    """Seconds the admin endpoints (/v1/load_lora_adapter, /v1/unload_lora_adapter)
+    wait for each pod (a load reads and checks the adapter's files); a pod
+    that does not answer in time counts as failed (504)."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +170,11 @@ class RouterWeights:
     """Per running request, as a share of router.running_norm."""
     kv_usage: float = 0.3
     """Per fraction of the pod's KV blocks in use."""
+    lora_resident: float = 0.25
+    """Added for a request on a LoRA adapter whose weights the pod holds in host memory (its
+    report's `resident`): about four waiting requests' worth (at max_waiting_per_pod 8), so an
+    adapter's requests stay on the pods holding it until those are that much busier than
+    another pod, which then takes them and loads the adapter: a popular adapter spreads."""
 
 
 @dataclass(frozen=True)
@@ -236,6 +271,7 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         _check(self.model.block_size > 0, "model.block_size must be > 0")
         _check(self.model.max_model_len is None or self.model.max_model_len > 0, "model.max_model_len must be > 0")
+        _check_loras(self.model)
         sources = [bool(self.pods.static), self.pods.kubernetes is not None, self.pods.file is not None]
         _check(sum(sources) == 1, "pods: give one of a static list, kubernetes discovery or a file")
         if self.pods.file is not None:
@@ -254,7 +290,7 @@ class GatewayConfig:
         _check(self.router.policy in ROUTER_POLICIES,
                f"router.policy: {self.router.policy!r} is not one of {ROUTER_POLICIES}")
         w = self.router.weights
-        weights = (w.prefix, w.prefill_backlog, w.waiting, w.running, w.kv_usage)
+        weights = (w.prefix, w.prefill_backlog, w.waiting, w.running, w.kv_usage, w.lora_resident)
         _check(min(weights) >= 0, "router.weights must be >= 0")
         _check(self.router.running_norm >= 1, "router.running_norm must be >= 1")
         _check(self.router.load_interval_ms >= 10, "router.load_interval_ms must be >= 10")
@@ -276,6 +312,16 @@ class GatewayConfig:
                "router.affinity_candidates + router.load_candidates must be >= 1")
         _check(self.disaggregation.min_uncached_tokens >= 0, "disaggregation.min_uncached_tokens must be >= 0")
         _check(isinstance(self.internal, InternalConfig), "internal: expected a mapping (secret_file, tls)")
+
+
+def _check_loras(model: ModelConfig) -> None:
+    _check(model.lora_admin_timeout_s > 0, "model.lora_admin_timeout_s must be > 0")
+    seen: set[str] = set()
+    for i, lora in enumerate(model.loras):
+        problem = lora_name_problem(lora.name, model.name)
+        _check(problem is None, f"model.loras[{i}].name: {problem}")
+        _check(lora.name not in seen, f"model.loras[{i}].name: {lora.name!r} is listed twice")
+        seen.add(lora.name)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -318,6 +364,8 @@ def _convert(type_name: str, value: Any, where: str) -> Any:
         return _build(_NESTED[base], value, where)
     if base == "tuple[StaticPod, ...]":
         return tuple(_build(StaticPod, item, f"{where}[{i}]") for i, item in enumerate(_as_list(value, where)))
+    if base == "tuple[LoRAConfig, ...]":
+        return tuple(_build(LoRAConfig, item, f"{where}[{i}]") for i, item in enumerate(_as_list(value, where)))
     if base == "tuple[PriorityClassConfig, ...]":
         return tuple(_build(PriorityClassConfig, item, f"{where}[{i}]")
                      for i, item in enumerate(_as_list(value, where)))

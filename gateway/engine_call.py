@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import grpc
 
-from gateway.errors import GatewayError, StreamBroken, engine_refused, unavailable
+from gateway.errors import GatewayError, StreamBroken, engine_refused, model_not_found, unavailable
 from gateway.pods import Pod, PodPool
 from gateway.pods.deadline import NoProgress, ProgressDeadline
 from tessera.tracing import inject_metadata, tracer
@@ -129,6 +129,13 @@ async def stream_choice(
                                pod.address, e, "retrying" if budget.left else "giving up")
             except grpc.aio.AioRpcError as e:
                 last_error = _engine_error(e)
+                if e.code() == grpc.StatusCode.NOT_FOUND and request.lora_name:
+                    # The pod does not serve the adapter (unloaded since its report, or never: no
+                    # pod reported it). The candidates were the pods reporting it, or all when
+                    # none did: the others answer the same. The client's 404, as for a name
+                    # the gateway does not know.
+                    pod.adapters.pop(request.lora_name, None)
+                    raise model_not_found(request.lora_name) from None
                 if e.code() in _CLIENT_ERRORS:
                     raise last_error from None
                 if started:

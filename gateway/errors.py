@@ -63,10 +63,17 @@ def unauthenticated(message: str) -> GatewayError:
     return GatewayError(401, grpc.StatusCode.UNAUTHENTICATED, "authentication_error", message, "invalid_api_key")
 
 
-def model_not_found(model: str, served: str) -> GatewayError:
+def model_not_found(model: str) -> GatewayError:
+    """An unknown model, or one the tenant may not use: one answer for both
+    (OpenAI's wording), so a tenant cannot probe which adapters exist."""
     return GatewayError(404, grpc.StatusCode.NOT_FOUND, "invalid_request_error",
-                        f"The model `{model}` does not exist; this gateway serves `{served}`.", "model_not_found",
-                        "model")
+                        f"The model `{model[:256]}` does not exist or you do not have access to it.",
+                        "model_not_found", "model")
+
+
+def permission_denied(message: str) -> GatewayError:
+    """An authenticated caller may not do this (an admin endpoint without an admin key)."""
+    return GatewayError(403, grpc.StatusCode.PERMISSION_DENIED, "permission_error", message, "permission_denied")
 
 
 def rate_limited(message: str, code: str, retry_after: float | None) -> GatewayError:

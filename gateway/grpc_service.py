@@ -206,10 +206,12 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     async def ListModels(self, request, context):
         try:
-            self.gateway.authenticate(_authorization(context))
+            tenant = self.gateway.authenticate(_authorization(context))
             _decoded(request)
         except GatewayError as e:
             await _abort(context, e)
-        m = self.gateway.model
-        return pb.ListModelsResponse(models=[pb.ModelInfo(id=m.name, max_model_len=m.max_model_len,
-                                                          owned_by="tessera")])
+        # The base model and its LoRA adapters the key may use, as REST's /v1/models lists them
+        # (ModelInfo has no `parent` field: the base model comes first).
+        max_len = self.gateway.model.max_model_len
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=e.id, max_model_len=max_len, owned_by="tessera")
+                                             for e in self.gateway.catalog.visible(tenant)])

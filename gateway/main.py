@@ -76,7 +76,20 @@ def build_gateway(config: GatewayConfig) -> Gateway:
     classes.validate_tenants(tenants.tenants)
     if not config.tenants_file:
         logger.warning("no tenants_file: every request is served without an API key (open access)")
+    _warn_unknown_allowed_models(config, tenants)
     return Gateway(config, model, tenants, classes, internal=internal)
+
+
+def _warn_unknown_allowed_models(config: GatewayConfig, tenants: TenantRegistry) -> None:
+    """A tenant's allowed_models may name adapters loaded later (admin endpoint,
+    pods' flags), so a name unknown now is no error; but it is often a typo."""
+    known = {config.model.name} | {lora.name for lora in config.model.loras}
+    for tenant in tenants.tenants:
+        unknown = sorted((tenant.allowed_models or frozenset()) - known)
+        if unknown:
+            logger.warning("tenant %r: allowed_models names %s, neither the model %r nor an adapter of "
+                           "model.loras (fine for adapters the pods serve or an admin loads later)",
+                           tenant.name, unknown, config.model.name)
 
 
 async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:

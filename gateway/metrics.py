@@ -30,6 +30,11 @@ class GatewayMetrics:
         who = ["tenant", "priority_class"]
         self.requests = Counter("tessera:gateway_requests", "Requests by outcome (ok, error, cancelled, rejected)",
                                 who + ["endpoint", "outcome"], registry=r)
+        # By the model a request names (the base model or a LoRA adapter): only served models'
+        # names become label values (gateway/catalog.py, metric_label), so the label stays bounded.
+        self.model_requests = Counter("tessera:gateway_model_requests",
+                                      "Requests by model (the base model or a LoRA adapter; (unknown): a name "
+                                      "nothing serves) and outcome", ["model", "endpoint", "outcome"], registry=r)
         self.rejections = Counter("tessera:gateway_rejections", "Requests refused, by reason",
                                   who + ["reason"], registry=r)
         self.ttft = Histogram("tessera:gateway_time_to_first_token_seconds", "Arrival at the gateway to first token",

@@ -38,9 +38,12 @@ class ResponseStream:
     """One admitted request in flight: its choices' tasks and their merged updates."""
 
     def __init__(self, gateway: Gateway, req: GenerationRequest, tenant: Tenant, pclass: PriorityClass,
-                 prompt_ids: list[int], max_tokens: int, ticket: Ticket, arrival: float, endpoint: str) -> None:
+                 prompt_ids: list[int], max_tokens: int, ticket: Ticket, arrival: float, endpoint: str,
+                 lora_name: str = "") -> None:
         self.gateway = gateway
         self.req = req
+        # The LoRA adapter the engine runs it on ("" for the base model): req.model, resolved.
+        self.lora_name = lora_name
         self.id = req.request_id
         self.tenant = tenant
         self.pclass = pclass
@@ -77,7 +80,7 @@ class ResponseStream:
 
     async def start(self) -> None:
         g = self.gateway
-        plan = await g.plan(self.prompt_ids, self.tenant.cache_salt, self.id, self._pod_deadline)
+        plan = await g.plan(self.prompt_ids, self.tenant.cache_salt, self.id, self._pod_deadline, self.lora_name)
         metadata = [("x-tessera-tenant", self.tenant.name)]
         prefill_task = None
         if plan.prefill_candidates:
@@ -109,6 +112,7 @@ class ResponseStream:
             sampling_params=self.req.options.to_engine(self.max_tokens, index),
             priority=self.pclass.priority,
             cache_salt=self.tenant.cache_salt,
+            lora_name=self.lora_name,
         )
         if consume:
             req.kv_transfer.mode = epb.KVTransferParams.MODE_CONSUME
@@ -164,7 +168,8 @@ class ResponseStream:
         """New candidates for a request no pod has run yet (its pods left or
         refused it: a pool scaled down to zero as it was routed), waiting for
         a pod until the first plan's deadline (Gateway.plan raises then)."""
-        plan = await self.gateway.plan(self.prompt_ids, self.tenant.cache_salt, self.id, self._pod_deadline)
+        plan = await self.gateway.plan(self.prompt_ids, self.tenant.cache_salt, self.id, self._pod_deadline,
+                                       self.lora_name)
         return plan.candidates
 
     async def _pump(self, updates: AsyncIterator[ChoiceUpdate]) -> None:
@@ -249,6 +254,8 @@ class ResponseStream:
         if self._remaining > 0 and self.outcome == "ok":
             self.outcome = "cancelled"
         m.requests.labels(*labels, self.endpoint, self.outcome).inc()
+        # Resolved when it was admitted: a served model's name, never arbitrary client input.
+        m.model_requests.labels(self.req.model, self.endpoint, self.outcome).inc()
         usage, per = self.usage, m.for_request(*labels)
         per.prompt_tokens.inc(usage.prompt_tokens)
         per.generation_tokens.inc(usage.completion_tokens)

@@ -103,6 +103,23 @@ the fleet size, chosen without any state a replica would have to share:
 - Cost: one pass over the pushed loads (a tuple per pod, a partial sort),
   the ring lookups, and the k queries (none when pushed); the ring is
   rebuilt only when the set of routable pods changes.
+
+LoRA adapters (a request whose `model` is an adapter, `adapter` below):
+
+- Only pods whose reports list the adapter are ranked, if any does; when
+  none does (reports without it, an older pod) every pod is, and a pod's
+  NOT_FOUND is the client's 404 (gateway/engine_call.py).
+- The score gets `w_lora_resident * resident`, 1 where the pod holds the
+  adapter's weights in host memory (its report's `resident`): its
+  requests stay on those pods until they are busier by that much, then go
+  to another pod serving it, which loads it: a popular adapter spreads
+  over more pods, an occasional one stays where it is.
+- The prompt's block hashes carry the adapter's fingerprint (the caller
+  hashes with `adapter=`, gateway/serving.py), so prefix matches, asked or
+  pushed, are the adapter's own.
+- bounded: the `load_candidates` least loaded pods holding the adapter
+  resident join the candidates, so the pods holding it are asked wherever
+  the ring points.
 """
 
 from __future__ import annotations
@@ -114,6 +131,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from gateway.catalog import resident, serves
 from gateway.config import AdmissionConfig, RouterConfig
 from gateway.hash_ring import HashRing
 from gateway.metrics import GatewayMetrics
@@ -159,7 +177,8 @@ class ScoredPod:
 
 
 def score_pod(cached_fraction: float, load: PodLoad, config: RouterConfig, max_waiting: int,
-              num_prompt_tokens: int) -> float:
+              num_prompt_tokens: int, adapter_resident: bool = False) -> float:
+    """`adapter_resident`: the request runs on a LoRA adapter whose weights the pod holds."""
     w = config.weights
     return (
         w.prefix * cached_fraction
@@ -167,7 +186,17 @@ def score_pod(cached_fraction: float, load: PodLoad, config: RouterConfig, max_w
         - w.waiting * load.waiting / max_waiting
         - w.running * load.running / config.running_norm
         - w.kv_usage * load.kv_usage
+        + w.lora_resident * adapter_resident
     )
+
+
+def adapter_pods(pods: list[Pod], adapter: str) -> list[Pod]:
+    """The pods a request on `adapter` may go to: those serving it, if any
+    does (module docstring); all of them for the base model ("")."""
+    if not adapter:
+        return pods
+    serving = [p for p in pods if serves(p, adapter)]
+    return serving or pods
 
 
 def tie_break(key: bytes, address: str) -> float:
@@ -246,10 +275,12 @@ class Router:
         return [block_key(h) for h in block_hashes] if self._pushed else []
 
     async def rank(self, role: str, block_hashes: list[bytes], num_prompt_tokens: int,
-                   key: bytes, keys: list[int] | None = None) -> list[ScoredPod]:
+                   key: bytes, keys: list[int] | None = None, adapter: str = "") -> list[ScoredPod]:
         """Routable pods of `role`, best first (empty if none); `keys`:
-        `block_keys(block_hashes)`, if the caller has them already."""
-        pods = self.pool.routable(role)
+        `block_keys(block_hashes)`, if the caller has them already;
+        `adapter`: the request's LoRA adapter ("" for the base model), whose
+        hashes `block_hashes` must be."""
+        pods = adapter_pods(self.pool.routable(role), adapter)
         if not pods:
             return []
         if self.config.policy == "round_robin":
@@ -257,13 +288,13 @@ class Router:
         if keys is None:
             keys = self.block_keys(block_hashes)
         if self.config.policy == "bounded":
-            return await self._rank_bounded(role, pods, block_hashes, keys, num_prompt_tokens, key)
+            return await self._rank_bounded(role, pods, block_hashes, keys, num_prompt_tokens, key, adapter)
         matched = await self._match(pods, block_hashes, keys)
-        return _best_first([self._scored(pod, match, num_prompt_tokens, tie_break(key, pod.address))
+        return _best_first([self._scored(pod, match, num_prompt_tokens, tie_break(key, pod.address), adapter)
                             for pod, match in zip(pods, matched)])
 
     async def _rank_bounded(self, role: str, pods: list[Pod], block_hashes: list[bytes], keys: list[int],
-                            num_prompt_tokens: int, key: bytes) -> list[ScoredPod]:
+                            num_prompt_tokens: int, key: bytes, adapter: str) -> list[ScoredPod]:
         """The bounded policy (module docstring): score the candidates only,
         then append up to BOUNDED_FALLBACKS others ranked by pushed load.
         Nothing here hashes or scores every pod: a request costs the same
@@ -271,6 +302,11 @@ class Router:
         affinity = affinity_candidates(block_hashes, pods, self._ring_of(pods), self.config.affinity_candidates)
         chosen = {p.address for p in affinity}
         holders = self._holders(role, keys, chosen, key)
+        if adapter:  # only among the pods it may go to: one holding its blocks may have stopped serving it
+            allowed = {p.address for p in pods}
+            holders = [p for p in holders if p.address in allowed]
+        chosen.update(p.address for p in holders)
+        holders += self._adapter_holders(pods, adapter, chosen, key)
         chosen.update(p.address for p in holders)
         others = [p for p in pods if p.address not in chosen]
         by_load = least_loaded(others, self.config.load_candidates + BOUNDED_FALLBACKS, key)
@@ -281,11 +317,19 @@ class Router:
         candidate_ties += [_load_tie(i, len(holders)) for i in range(len(holders))]
         candidate_ties += [_load_tie(i, len(load)) for i in range(len(load))]
         matched = await self._match(candidates, block_hashes, keys)
-        ranked = [self._scored(pod, match, num_prompt_tokens, tie)
+        ranked = [self._scored(pod, match, num_prompt_tokens, tie, adapter)
                   for pod, match, tie in zip(candidates, matched, candidate_ties) if pod.routable]
-        rest = [self._scored(pod, NO_MATCH, num_prompt_tokens, _load_tie(i, len(fallbacks)))
+        rest = [self._scored(pod, NO_MATCH, num_prompt_tokens, _load_tie(i, len(fallbacks)), adapter)
                 for i, pod in enumerate(fallbacks)]
         return _best_first(ranked) + _best_first(rest)
+
+    def _adapter_holders(self, pods: list[Pod], adapter: str, chosen: set[str], key: bytes) -> list[Pod]:
+        """bounded, a request on an adapter: the `load_candidates` least loaded
+        pods holding it resident, other than those `chosen`."""
+        if not adapter:
+            return []
+        holding = [p for p in pods if p.address not in chosen and resident(p, adapter)]
+        return least_loaded(holding, self.config.load_candidates, key)
 
     def note_routed(self, pods: list[Pod], keys: list[int]) -> None:
         """prefix_match pushed: the request goes to these pods (its pod, and
@@ -312,9 +356,12 @@ class Router:
             self._ring = HashRing(addresses)
         return self._ring
 
-    def _scored(self, pod: Pod, match: PrefixMatch, num_prompt_tokens: int, tie: float) -> ScoredPod:
+    def _scored(self, pod: Pod, match: PrefixMatch, num_prompt_tokens: int, tie: float,
+                adapter: str = "") -> ScoredPod:
         fraction = min(1.0, match.blocks * self.block_size / max(1, num_prompt_tokens))
-        score = score_pod(fraction, self._load(pod, match.answer), self.config, self.max_waiting, num_prompt_tokens)
+        held = bool(adapter) and resident(pod, adapter)
+        score = score_pod(fraction, self._load(pod, match.answer), self.config, self.max_waiting, num_prompt_tokens,
+                          held)
         return ScoredPod(pod, score + tie, match.blocks)
 
     @staticmethod

@@ -16,12 +16,13 @@ import dataclasses
 import time
 
 from gateway.admission import AdmissionController, Rejected, Ticket
+from gateway.catalog import ModelCatalog
 from gateway.config import GatewayConfig
 from gateway.loop_lag import LoopLag
 from gateway.errors import (
     GatewayError,
     bad_request,
-    model_not_found,
+    permission_denied,
     rate_limited,
     unauthenticated,
     unavailable,
@@ -33,7 +34,7 @@ from gateway.priority import PriorityClass, PriorityClasses, PriorityClassError
 from gateway.request import GenerationRequest, SamplingOptions
 from gateway.response_stream import ResponseStream
 from gateway.router import Router, ScoredPod
-from gateway.tenants import AuthError, Tenant, TenantRegistry
+from gateway.tenants import AdminRefused, AuthError, Tenant, TenantRegistry
 from kv_store.block_hash import hash_request_tokens
 from tessera.internal_channel import InternalClient
 from tessera.roles import POD_ROLES
@@ -73,6 +74,8 @@ class Gateway:
             max_queue_len=config.admission.max_queue_len, queue_timeout_s=config.admission.queue_timeout_s
         )
         self.router = Router(self.pool, config.router, config.admission, model.block_size, self.metrics)
+        # The base model and its LoRA adapters: what a request's `model` may name.
+        self.catalog = ModelCatalog(config.model.name, [lora.name for lora in config.model.loras], self.pool)
         for pclass in self.classes:
             # Read at each scrape, so a request counts from the moment it
             # queues: the operator lifts a pool from zero on this demand.
@@ -122,15 +125,17 @@ class Gateway:
         arrival = time.monotonic()
         labels = (tenant.name, req.priority_class or tenant.priority_class or self.classes.default.name)
         try:
-            pclass, prompt_ids, max_tokens = self._validate(req, tenant)
+            lora_name, pclass, prompt_ids, max_tokens = self._validate(req, tenant)
             labels = (tenant.name, pclass.name)
             if not self.pool.routable() and not self.config.admission.queue_without_pods:
                 raise unavailable("no engine pod is serving; retry shortly", "no_engine_pod")
             ticket = await self._admit(tenant, pclass, len(prompt_ids), req.options.n * max_tokens)
         except GatewayError as e:
             self.metrics.requests.labels(*labels, endpoint, "rejected").inc()
+            self.metrics.model_requests.labels(self.catalog.metric_label(req.model), endpoint, "rejected").inc()
             raise e from None
-        stream = ResponseStream(self, req, tenant, pclass, prompt_ids, max_tokens, ticket, arrival, endpoint)
+        stream = ResponseStream(self, req, tenant, pclass, prompt_ids, max_tokens, ticket, arrival, endpoint,
+                                lora_name)
         try:
             await stream.start()
         except BaseException:
@@ -145,9 +150,17 @@ class Gateway:
             self.metrics.rejections.labels("", "", "unauthenticated").inc()
             raise unauthenticated(str(e)) from None
 
-    def _validate(self, req: GenerationRequest, tenant: Tenant) -> tuple[PriorityClass, list[int], int]:
-        if req.model != self.model.name:
-            raise model_not_found(req.model, self.model.name)
+    def check_admin(self, tenant: Tenant) -> None:
+        """403 unless `tenant` may call the admin endpoints (gateway/tenants.py)."""
+        try:
+            self.tenants.check_admin(tenant)
+        except AdminRefused as e:
+            self.metrics.rejections.labels(tenant.name, "", "not_admin").inc()
+            raise permission_denied(str(e)) from None
+
+    def _validate(self, req: GenerationRequest, tenant: Tenant) -> tuple[str, PriorityClass, list[int], int]:
+        """The request's LoRA adapter ("" for the base model), class, prompt ids and max_tokens."""
+        lora_name = self.catalog.resolve(req.model, tenant)
         try:
             pclass = self.classes.resolve(tenant, req.priority_class)
         except PriorityClassError as e:
@@ -163,7 +176,7 @@ class Gateway:
         except PromptError as e:
             raise bad_request(str(e), e.code, e.param) from None
         self._check_against_model(req.options, max_tokens)
-        return pclass, prompt_ids, max_tokens
+        return lora_name, pclass, prompt_ids, max_tokens
 
     def _check_against_model(self, options: SamplingOptions, max_tokens: int) -> None:
         """The limits only the served model knows, checked here so the
@@ -200,22 +213,23 @@ class Gateway:
                 raise rate_limited(e.message, e.reason, e.retry_after) from None
 
     async def plan(self, prompt_ids: list[int], cache_salt: str, request_id: str,
-                   deadline: float | None = None) -> Plan:
+                   deadline: float | None = None, adapter: str = "") -> Plan:
         """Rank pods for the request; decide on P/D disaggregation. With
         admission.queue_without_pods, a request admitted just before the
         last pod left waits for one (until `deadline`, a time.monotonic();
-        default queue_timeout_s from now) instead of a 503."""
+        default queue_timeout_s from now) instead of a 503. `adapter`: the
+        request's LoRA adapter ("" for the base model)."""
         with _tracer.start_as_current_span("gateway.route") as span:
-            hashes = hash_request_tokens(prompt_ids, self.model.block_size, cache_salt)
+            hashes = self._block_hashes(prompt_ids, cache_salt, adapter)
             key = hashes[0] if hashes else request_id.encode()
             keys = self.router.block_keys(hashes)
-            plan = await self._ranked_plan(hashes, keys, len(prompt_ids), key)
+            plan = await self._ranked_plan(hashes, keys, len(prompt_ids), key, adapter)
             if not plan.candidates and self.config.admission.queue_without_pods:
                 if deadline is None:
                     deadline = time.monotonic() + self.config.admission.queue_timeout_s
                 while not plan.candidates and time.monotonic() < deadline:
                     await asyncio.sleep(_NO_POD_POLL_S)
-                    plan = await self._ranked_plan(hashes, keys, len(prompt_ids), key)
+                    plan = await self._ranked_plan(hashes, keys, len(prompt_ids), key, adapter)
             if not plan.candidates:
                 raise unavailable("no engine pod is serving; retry shortly", "no_engine_pod")
             span.set_attribute("tessera.pod", plan.candidates[0].address)
@@ -225,12 +239,23 @@ class Gateway:
             self.router.note_routed(plan.candidates[:1] + plan.prefill_candidates[:1], keys)
             return plan
 
-    async def _ranked_plan(self, hashes: list[bytes], keys: list[int], num_tokens: int, key: bytes) -> Plan:
+    def _block_hashes(self, prompt_ids: list[int], cache_salt: str, adapter: str) -> list[bytes]:
+        """The prompt's chained block hashes as the pods compute them: with the
+        tenant's salt and, on an adapter, its fingerprint from the pods'
+        reports. An adapter no pod reports yet gets a stand-in that matches
+        no cached block (nothing to match: no pod has computed under it)."""
+        fingerprint = None
+        if adapter:
+            fingerprint = self.catalog.fingerprint(adapter) or f"unreported:{adapter}"
+        return hash_request_tokens(prompt_ids, self.model.block_size, cache_salt, adapter=fingerprint)
+
+    async def _ranked_plan(self, hashes: list[bytes], keys: list[int], num_tokens: int, key: bytes,
+                           adapter: str) -> Plan:
         if self.pool.disaggregated:
-            return await self._plan_disaggregated(hashes, keys, num_tokens, key)
-        ranked = await self.router.rank("mixed", hashes, num_tokens, key, keys)
+            return await self._plan_disaggregated(hashes, keys, num_tokens, key, adapter)
+        ranked = await self.router.rank("mixed", hashes, num_tokens, key, keys, adapter)
         if not ranked:  # only P/D pods, one pool down: decode pods compute prompts themselves
-            ranked = await self.router.rank("decode", hashes, num_tokens, key, keys)
+            ranked = await self.router.rank("decode", hashes, num_tokens, key, keys, adapter)
             if ranked and self._wants_prefill_pod(ranked[0], num_tokens):
                 self.metrics.prefills_unplaced.inc()  # a prefill pool at zero: its only demand signal
         return self._plan_from(ranked, [])
@@ -241,11 +266,11 @@ class Gateway:
         return uncached >= self.config.disaggregation.min_uncached_tokens
 
     async def _plan_disaggregated(self, hashes: list[bytes], keys: list[int], num_tokens: int,
-                                  key: bytes) -> Plan:
-        decode = await self.router.rank("decode", hashes, num_tokens, key, keys)
+                                  key: bytes, adapter: str) -> Plan:
+        decode = await self.router.rank("decode", hashes, num_tokens, key, keys, adapter)
         if not decode or not self._wants_prefill_pod(decode[0], num_tokens):
             return self._plan_from(decode, [])
-        prefill_ranked = await self.router.rank("prefill", hashes, num_tokens, key, keys)
+        prefill_ranked = await self.router.rank("prefill", hashes, num_tokens, key, keys, adapter)
         return self._plan_from(decode, [s.pod for s in prefill_ranked])
 
     def _plan_from(self, ranked: list[ScoredPod], prefill_pods: list[Pod]) -> Plan:

@@ -32,8 +32,10 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _SHA256_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 _TENANT_FIELDS = frozenset({
     "name", "api_key_sha256", "priority_class", "allowed_priority_classes",
-    "requests_per_minute", "tokens_per_minute", "max_concurrent", "cache_salt_group",
+    "requests_per_minute", "tokens_per_minute", "max_concurrent", "cache_salt_group", "allowed_models", "admin",
 })
+# A model name in allowed_models: the base model's or an adapter's (1-256 characters, like the engine's names).
+_MAX_MODEL_NAME_LEN = 256
 _LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
 
 
@@ -44,6 +46,10 @@ def hash_api_key(key: str) -> str:
 
 class AuthError(Exception):
     """Authentication failed; str(e) is safe to show the client."""
+
+
+class AdminRefused(Exception):
+    """An authenticated caller may not use an admin endpoint; str(e) is safe to show."""
 
 
 class TenantConfigError(ValueError):
@@ -76,6 +82,16 @@ class Tenant:
     # Goes into the block hash's extra keys: equal salts may share prefix-cache KV.
     # A keyed hash (the internal secret's cache_salt), never the name itself.
     cache_salt: str
+    # The models (the base model's name and/or LoRA adapters' names) the
+    # tenant may use and see in /v1/models; None: every model. Any other is
+    # answered as an unknown model (404), so a tenant cannot probe which exist.
+    allowed_models: frozenset[str] | None = None
+    # May call the admin endpoints (/v1/load_lora_adapter, /v1/unload_lora_adapter).
+    admin: bool = False
+
+    def may_use(self, model: str) -> bool:
+        """Whether the tenant's allow-list admits `model` (a base or adapter name)."""
+        return self.allowed_models is None or model in self.allowed_models
 
 
 def _cache_salt(secret: InternalSecret, name: str, group: str | None) -> str:
@@ -140,6 +156,15 @@ class TenantRegistry:
     def is_open_access(self) -> bool:
         return self._open_access
 
+    def check_admin(self, tenant: Tenant) -> None:
+        """AdminRefused unless `tenant` may call the admin endpoints: an
+        `admin: true` tenant of the tenants file (open access has none)."""
+        if self._open_access:
+            raise AdminRefused("admin endpoints need an admin API key: add a tenant with `admin: true` to the "
+                               "tenants file (tenants_file); without one they are refused")
+        if not tenant.admin:
+            raise AdminRefused("this API key may not call admin endpoints (its tenant lacks `admin: true`)")
+
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant for a raw `Authorization` header / metadata value."""
         if self._open_access:
@@ -203,7 +228,11 @@ def _parse_tenant(item: Any, index: int, secret: InternalSecret) -> tuple[Tenant
     except ValueError as e:
         raise TenantConfigError(f"{where}: {e}") from None
     group = _optional_str(item, "cache_salt_group", where)
-    return Tenant(name, default_class, allowed, limits, _cache_salt(secret, name, group)), hashes
+    models = _parse_allowed_models(item.get("allowed_models"), where)
+    admin = item.get("admin", False)
+    if not isinstance(admin, bool):
+        raise TenantConfigError(f"{where}: admin must be true or false, got {admin!r}")
+    return Tenant(name, default_class, allowed, limits, _cache_salt(secret, name, group), models, admin), hashes
 
 
 def _parse_hashes(value: Any, where: str) -> list[str]:
@@ -227,6 +256,22 @@ def _parse_allowed(value: Any, where: str) -> frozenset[str] | None:
         return None
     if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
         raise TenantConfigError(f"{where}: allowed_priority_classes must be a non-empty list of class names")
+    return frozenset(value)
+
+
+def _parse_allowed_models(value: Any, where: str) -> frozenset[str] | None:
+    if value is None:
+        return None
+    # An empty list would admit no model at all: a tenant that can do nothing is a mistake, not a policy.
+    if not isinstance(value, list) or not value:
+        raise TenantConfigError(f"{where}: allowed_models must be a non-empty list of model names "
+                                "(the base model's and/or LoRA adapters'); leave it out to allow every model")
+    for v in value:
+        if not isinstance(v, str) or not 1 <= len(v) <= _MAX_MODEL_NAME_LEN:
+            raise TenantConfigError(f"{where}: allowed_models entry {str(v)[:64]!r} is not a model name "
+                                    f"(a string of 1-{_MAX_MODEL_NAME_LEN} characters)")
+    if len(set(value)) != len(value):
+        raise TenantConfigError(f"{where}: allowed_models lists the same model twice")
     return frozenset(value)
 
 

@@ -73,12 +73,17 @@ def hash_block_tokens(
     return h.digest()
 
 
-def request_extra_keys(block_index: int, cache_salt: str | None) -> tuple[object, ...]:
-    """Extra keys of a request's block: the cache salt goes into the first block
-    only; through the chain it separates every later block too."""
-    if block_index == 0 and cache_salt:
-        return ("salt", cache_salt)
-    return ()
+def request_extra_keys(block_index: int, cache_salt: str | None, adapter: str | None = None) -> tuple[object, ...]:
+    """Extra keys of a request's block: the cache salt and the LoRA adapter's
+    identity (its fingerprint: KV computed under an adapter's weights is that
+    adapter's only) go into the first block only; through the chain they
+    separate every later block too."""
+    if block_index != 0:
+        return ()
+    keys: tuple[object, ...] = ("salt", cache_salt) if cache_salt else ()
+    if adapter:
+        keys += ("lora", adapter)
+    return keys
 
 
 def hash_request_tokens(
@@ -87,10 +92,12 @@ def hash_request_tokens(
     cache_salt: str | None = None,
     start_block: int = 0,
     parent_hash: BlockHash | None = None,
+    adapter: str | None = None,
 ) -> list[BlockHash]:
     """Hashes of the full blocks of ``token_ids`` from ``start_block`` on.
 
-    ``parent_hash`` must be the hash of block ``start_block - 1`` when
+    ``adapter`` names the LoRA adapter the tokens run on (None: the base
+    model). ``parent_hash`` must be the hash of block ``start_block - 1`` when
     ``start_block > 0``; this lets callers extend a request's hashes
     incrementally as tokens are generated. The trailing partial block is
     never hashed.
@@ -104,6 +111,6 @@ def hash_request_tokens(
     num_full = len(token_ids) // block_size
     for i in range(start_block, num_full):
         block = token_ids[i * block_size : (i + 1) * block_size]
-        parent = hash_block_tokens(parent, block, request_extra_keys(i, cache_salt))
+        parent = hash_block_tokens(parent, block, request_extra_keys(i, cache_salt, adapter))
         hashes.append(parent)
     return hashes

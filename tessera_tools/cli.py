@@ -8,13 +8,27 @@ import json
 import logging
 import sys
 from collections.abc import Iterable
+from typing import Any
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
-    from tessera_tools.fixtures import make_model
+    # The adapter settings given; make_lora_adapter's defaults stand for the others.
+    given = (("rank", args.rank), ("alpha", args.alpha), ("seed", args.seed),
+             ("target_modules", args.target_modules), ("use_rslora", args.use_rslora or None))
+    lora: dict[str, Any] = {name: value for name, value in given if value is not None}
+    if args.lora_for is None:
+        if lora:
+            flags = ", ".join("--" + name.replace("_", "-") for name in lora)
+            raise ValueError(f"{flags}: only with --lora-for")
+        from tessera_tools.fixtures import make_model
 
-    out = make_model(args.preset, args.out)
-    print(f"wrote {args.preset} checkpoint to {out}")
+        out = make_model(args.preset, args.out)
+        print(f"wrote {args.preset} checkpoint to {out}")
+        return 0
+    from tessera_tools.fixtures.make_lora import make_lora_adapter
+
+    out = make_lora_adapter(args.lora_for, args.out, **lora)
+    print(f"wrote LoRA adapter for {args.lora_for} to {out}")
     return 0
 
 
@@ -76,7 +90,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 # some modules take seconds to import (torch, kubernetes), and `tessera
 # --help` or `tessera gateway --help` should not wait for them.
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "make-model": ("write a deterministic random-weight HF checkpoint", "tessera_tools.cli:_add_make_model"),
+    "make-model": ("write a deterministic random-weight HF checkpoint or LoRA adapter",
+                   "tessera_tools.cli:_add_make_model"),
     "generate": ("generate offline with the engine", "tessera_tools.cli:_add_generate"),
     "internal-secret": ("print a new random internal secret (for TESSERA_INTERNAL_SECRET)",
                         "tessera_tools.cli:_add_internal_secret"),
@@ -93,8 +108,19 @@ def _add_make_model(sub) -> None:
     from tessera_tools.fixtures.make_model import PRESETS
 
     mm = sub.add_parser("make-model", help=_COMMANDS["make-model"][0])
-    mm.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    what = mm.add_mutually_exclusive_group(required=True)
+    what.add_argument("--preset", choices=sorted(PRESETS))
+    what.add_argument("--lora-for", metavar="BASE_DIR",
+                      help="write a random LoRA adapter (PEFT layout) for the checkpoint in BASE_DIR instead")
     mm.add_argument("out", help="output folder")
+    # The adapter's settings (only with --lora-for); defaults: make_lora_adapter's.
+    mm.add_argument("--rank", type=int, help="LoRA rank r (default 8)")
+    mm.add_argument("--alpha", type=float, help="lora_alpha (default 16)")
+    mm.add_argument("--seed", type=int, help="seed of the adapter's weights (default 0)")
+    mm.add_argument("--target-modules", type=lambda s: [m for m in s.split(",") if m], metavar="M1,M2,...",
+                    help="comma-separated projections to adapt, e.g. q_proj,v_proj (default: all seven, "
+                         "q/k/v/o_proj and gate/up/down_proj)")
+    mm.add_argument("--use-rslora", action="store_true", help="scale by alpha/sqrt(r) instead of alpha/r")
     mm.set_defaults(func=_cmd_make_model)
 
 

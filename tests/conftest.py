@@ -38,7 +38,7 @@ _E2E_PATHS = (
     "tests/kv_store/test_engine_kv_store.py", "tests/gateway/test_disaggregation.py",
     "tests/gateway/test_failover.py", "tests/gateway/test_priority_saturation.py", "tests/gateway/test_tracing.py",
     "tests/gateway/test_simulated_fleet.py", "tests/gateway/test_scale_from_zero.py",
-    "tests/gateway/test_file_discovery.py",
+    "tests/gateway/test_file_discovery.py", "tests/gateway/test_lora_e2e.py",
 )
 
 
@@ -79,6 +79,42 @@ def tiny_mistral() -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama3_rope() -> Path:
     return checkpoint("tiny-llama3-rope")
+
+
+# The adapters of the *_loras fixtures, for each tiny checkpoint: make_lora_adapter's
+# arguments (use_rslora False), one set per adapter.
+_LORAS = (
+    {"rank": 8, "seed": 10},
+    {"rank": 4, "target_modules": ("q_proj", "v_proj", "down_proj"), "seed": 11},
+    {"rank": 16, "alpha": 8.0, "seed": 12},
+)
+
+
+def lora_adapters(preset: str, base: Path) -> list[Path]:
+    """The adapters of _LORAS for the checkpoint of `preset` (at `base`), built once like checkpoint()'s."""
+    from tessera_tools.fixtures.make_lora import make_lora_adapter
+
+    paths = []
+    for i, kwargs in enumerate(_LORAS):
+        out = _CACHE / "loras" / f"{preset}-{i}"
+        if not (out / "adapter_model.safetensors").is_file():
+            make_lora_adapter(base, out.with_suffix(".tmp"), **kwargs)
+            out.with_suffix(".tmp").rename(out)
+        paths.append(out)
+    return paths
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_loras(tiny_llama) -> list[Path]:
+    """Three LoRA adapters (PEFT layout) for tiny_llama: rank 8, alpha 16 on all seven projections
+    (seed 10); rank 4, alpha 16 on q_proj, v_proj, down_proj (seed 11); rank 16, alpha 8 on all (seed 12)."""
+    return lora_adapters("tiny", tiny_llama)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_loras(tiny_qwen2) -> list[Path]:
+    """The same three LoRA adapters as tiny_llama_loras, for tiny_qwen2."""
+    return lora_adapters("tiny-qwen2", tiny_qwen2)
 
 
 @pytest.fixture

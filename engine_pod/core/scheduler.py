@@ -26,6 +26,7 @@ from engine_pod.config import SchedulerConfig, SchedulingPolicy
 from engine_pod.core.kv_cache_block import KVCacheBlock
 from engine_pod.core.kv_cache_manager import KVCacheManager
 from engine_pod.core.kv_connector import KVConnectorScheduler
+from engine_pod.core.lora_slots import AdapterSource, LoRASlotTable
 from engine_pod.core.output_builder import build_scheduler_output
 from engine_pod.core.request_queue import create_request_queue
 from engine_pod.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -44,14 +45,16 @@ class Scheduler:
     the results.
 
     Owns every unfinished request (``requests``) and where it is: ``running``,
-    the ``waiting`` queue (FCFS or priority), or ``waiting_for_fsm`` while its
-    grammar compiles; the KVCacheManager and its block pool; the KV
-    connector's scheduler half, if any. Called by EngineCore on the engine
+    the ``waiting`` queue (FCFS or priority), ``waiting_for_fsm`` while its
+    grammar compiles or ``waiting_for_lora`` while its adapter is read; the
+    KVCacheManager and its block pool; the KV connector's scheduler half, if
+    any; the LoRA slot table, if the engine serves adapters. Called by EngineCore on the engine
     thread only: add_request / finish_requests between steps, then
     schedule(), the executor's forward, update_from_output() each step.
 
-    Invariants: an unfinished request is in exactly one of running, waiting
-    or waiting_for_fsm, and only running requests hold KV blocks; a step
+    Invariants: an unfinished request is in exactly one of running, waiting,
+    waiting_for_fsm or waiting_for_lora, and only running requests hold KV
+    blocks; the running requests use at most max_loras adapters; a step
     schedules at most max_num_batched_tokens tokens over at most
     max_num_seqs running requests, and never takes a request past
     max_model_len; schedule() advances num_computed_tokens by what it
@@ -64,6 +67,7 @@ class Scheduler:
         self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
         connector: KVConnectorScheduler | None = None,
         structured_output: StructuredOutputManager | None = None,
+        adapters: AdapterSource | None = None, max_loras: int = 0,
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
@@ -80,8 +84,12 @@ class Scheduler:
         self.structured_output = structured_output
         # Requests whose grammar is compiling, outside the waiting queue.
         self.waiting_for_fsm: list[Request] = []
-        # Requests whose grammar failed to compile: reported by the next update.
+        # Requests whose grammar or adapter failed to load: reported by the next update.
         self._failed_grammars: list[Request] = []
+        self.adapters = adapters
+        self.lora_slots = LoRASlotTable(max_loras) if adapters is not None else None
+        # Requests whose adapter is being read into host memory, outside the waiting queue.
+        self.waiting_for_lora: list[Request] = []
         self.spec_decode_stats = SpecDecodeStats()
 
     # -- requests in and out ----------------------------------------------
@@ -90,7 +98,13 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         if self.kv_cache_manager.enable_caching:
             request.enable_block_hashing(self.block_size)
+        if request.lora is not None and self.adapters is None:
+            raise ValueError("lora_request: this engine was started without enable_lora")
         self.requests[request.request_id] = request
+        if request.lora is not None and self.adapters is not None and not self.adapters.is_ready(request.lora):
+            request.status = RequestStatus.WAITING_FOR_LORA
+            self.waiting_for_lora.append(request)
+            return
         if request.use_structured_output:
             if self.structured_output is None:
                 raise ValueError("structured_outputs: this engine has no structured output manager")
@@ -111,6 +125,8 @@ class Scheduler:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_FSM:
                 self.waiting_for_fsm.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_LORA:
+                self.waiting_for_lora.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -130,8 +146,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not yet running, those whose grammar compiles included."""
-        return len(self.waiting) + len(self.waiting_for_fsm)
+        """Requests not yet running, those whose grammar compiles or adapter loads included."""
+        return len(self.waiting) + len(self.waiting_for_fsm) + len(self.waiting_for_lora)
 
     def num_pending_prefill_tokens(self) -> int:
         """Tokens the pod must still compute before its requests decode: the
@@ -142,7 +158,7 @@ class Scheduler:
         against a prompt's cached prefix."""
         def pending(r: Request) -> int:
             return max(0, r.num_tokens - 1 - r.num_computed_tokens)
-        queued = itertools.chain(self.running, self.waiting, self.waiting_for_fsm)
+        queued = itertools.chain(self.running, self.waiting, self.waiting_for_fsm, self.waiting_for_lora)
         return sum(pending(r) for r in queued)
 
     @property
@@ -152,6 +168,31 @@ class Scheduler:
         if self.structured_output is None:
             raise RuntimeError("a request with structured outputs in an engine without a manager")
         return self.structured_output
+
+    def _admit_loaded_adapters(self) -> None:
+        """Move requests whose adapter is in host memory on to their grammar
+        or into the waiting queue; fail those whose adapter cannot be read."""
+        still_loading = []
+        for request in self.waiting_for_lora:
+            assert request.lora is not None and self.adapters is not None
+            try:
+                ready = self.adapters.is_ready(request.lora)
+            except ValueError as e:
+                logger.error("request %s: %s", request.request_id, e)
+                request.status = RequestStatus.FINISHED_ABORTED
+                self._free_request(request)
+                self._failed_grammars.append(request)
+                continue
+            if not ready:
+                still_loading.append(request)
+            elif request.use_structured_output:
+                request.status = RequestStatus.WAITING_FOR_FSM
+                self.waiting_for_fsm.append(request)
+                self._grammars.add_request(request)
+            else:
+                request.status = RequestStatus.WAITING
+                self.waiting.add(request)
+        self.waiting_for_lora = still_loading
 
     def _admit_compiled_grammars(self) -> None:
         """Move requests whose grammar is ready into the waiting queue."""
@@ -174,6 +215,8 @@ class Scheduler:
 
     # -- scheduling -------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.waiting_for_lora:
+            self._admit_loaded_adapters()
         if self.waiting_for_fsm:
             self._admit_compiled_grammars()
         budget = self.config.max_num_batched_tokens
@@ -238,6 +281,10 @@ class Scheduler:
             self.finished_req_ids, self.connector.take_metadata() if self.connector is not None else None,
         )
         output.scheduled_spec_decode_tokens = scheduled_drafts
+        if self.lora_slots is not None:
+            output.lora_slots, output.lora_loads = self.lora_slots.assign(
+                self.requests[req_id] for req_id in num_scheduled
+            )
         if self.structured_output is not None and self.structured_output.has_matchers:
             output.grammar_bitmask = self.structured_output.grammar_bitmask(
                 self._sampling_req_ids(num_scheduled, scheduled_drafts), scheduled_drafts
@@ -284,10 +331,16 @@ class Scheduler:
     def _schedule_waiting(
         self, budget: int, num_scheduled: dict[str, int], scheduled_new: list[Request]
     ) -> int:
+        # Requests passed over because their adapter would need one slot too
+        # many; they keep their place in the queue.
+        skipped: list[Request] = []
         while len(self.waiting) and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
+            if self.lora_slots is not None and not self.lora_slots.fits(request, self.running):
+                skipped.append(self.waiting.pop())
+                continue
             hits: list[KVCacheBlock] = []
             num_hit_tokens = 0
             loaded: list[memoryview] = []  # payloads of blocks read from the KV store
@@ -319,6 +372,8 @@ class Scheduler:
             scheduled_new.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
         return budget
 
     def _on_scheduled(self, request: Request, num_computed: int, num_new: int) -> None:

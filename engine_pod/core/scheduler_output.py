@@ -4,6 +4,7 @@ what it reports to the engine per request."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine_pod.sampling_params import SamplingParams
 from engine_pod.structured_output.bitmask import GrammarBitmask
@@ -69,6 +70,13 @@ class SchedulerOutput:
     kv_connector: KVConnectorMetadata | None = None
     # Next-token masks of the guided requests that sample this step.
     grammar_bitmask: GrammarBitmask | None = None
+    # LoRA (core/lora_slots.py): the slot of each scheduled request that runs on an adapter,
+    # and the adapters (by id) to write into slots before this step's forward.
+    lora_slots: dict[str, int] = field(default_factory=dict)
+    lora_loads: dict[int, int] = field(default_factory=dict)
+    # The weights of lora_loads by slot (engine_pod/lora/adapter.AdapterWeights), attached by
+    # the engine core after scheduling: the scheduler holds no tensors.
+    lora_weights: dict[int, Any] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -26,9 +26,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-# How long an idle step waits for a grammar compile before returning to the
+# How long an idle step waits for a grammar compile or an adapter read before returning to the
 # caller's loop (which takes in new requests and aborts between steps).
-_GRAMMAR_WAIT_S = 0.01
+_IDLE_WAIT_S = 0.01
 
 # Called after each non-empty step's forward with the step's SchedulerOutput
 # and the seconds spent in the executor (`tessera bench profile` fits step times on it).
@@ -91,7 +91,16 @@ class EngineCore:
             self.executor.attach_kv_store(self.kv_store)
             connector = KVConnectorScheduler(self.kv_store, block_size)
         self.structured_output = None if config.simulated else self._grammar_manager(config)
-        self.scheduler = Scheduler(config.scheduler, kv, connector, self.structured_output)
+        self.lora_loader = None
+        if config.lora is not None:
+            # Imported here: a simulated engine (no LoRA) never loads torch.
+            from engine_pod.engine.lora_loader import LoRALoader
+
+            self.lora_loader = LoRALoader(config.lora.host_capacity, config.model.dtype, self._adapters_in_use)
+        self.scheduler = Scheduler(
+            config.scheduler, kv, connector, self.structured_output, self.lora_loader,
+            config.lora.max_loras if config.lora is not None else 0,
+        )
         self.totals = EngineTotals()
         self.last_stats = SchedulerStats()
         logger.info("engine core ready: %d KV blocks of %d tokens", num_blocks, block_size)
@@ -103,6 +112,9 @@ class EngineCore:
         return StructuredOutputManager(
             self.tokenizer_path, config.model.arch.vocab_size, load_eos_token_ids(config.model.path)
         )
+
+    def _adapters_in_use(self) -> set[int]:
+        return {r.lora.lora_int_id for r in self.scheduler.requests.values() if r.lora is not None}
 
     @property
     def block_size(self) -> int:
@@ -132,6 +144,11 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.lora_loads:
+            assert self.lora_loader is not None
+            scheduler_output.lora_weights = {
+                slot: self.lora_loader.get(lora_id) for slot, lora_id in scheduler_output.lora_loads.items()
+            }
         if self.step_observer is None or scheduler_output.is_empty:
             runner_output = self.executor.execute_model(scheduler_output)
         else:
@@ -144,7 +161,11 @@ class EngineCore:
         stalled = scheduler_output.is_empty and not scheduler_output.preempted_req_ids
         if stalled and self.scheduler.waiting_for_fsm:
             # Only requests with grammars still compiling: wait a little for one.
-            self.structured_output.wait_for_compiles(_GRAMMAR_WAIT_S)
+            self.structured_output.wait_for_compiles(_IDLE_WAIT_S)
+            return outputs
+        if stalled and self.scheduler.waiting_for_lora:
+            # Only requests whose adapters are being read: the same.
+            self.lora_loader.wait(_IDLE_WAIT_S)
             return outputs
         if stalled and self.scheduler.has_unfinished_requests():
             # Start-up checks guarantee one request always fits, so a step that
@@ -156,5 +177,7 @@ class EngineCore:
         self.executor.shutdown()
         if self.structured_output is not None:
             self.structured_output.shutdown()
+        if self.lora_loader is not None:
+            self.lora_loader.shutdown()
         if self.kv_store is not None:
             self.kv_store.close()

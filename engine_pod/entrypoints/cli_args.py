@@ -19,6 +19,7 @@ from engine_pod.config import (
     SchedulerConfig,
     SchedulingPolicy,
 )
+from engine_pod.lora.config import LoRAConfig
 from kv_store.redis_tier import REDIS_URL_ENV
 
 
@@ -48,6 +49,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=EngineConfig.speculative,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\'')
+    lo = parser.add_argument_group("LoRA adapters")
+    lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT layout) on the base model")
+    lo.add_argument("--max-loras", type=int, default=LoRAConfig.max_loras,
+                    help="adapters one step may mix (their weights in the model's slots at once)")
+    lo.add_argument("--max-lora-rank", type=int, default=LoRAConfig.max_lora_rank,
+                    help="the largest adapter rank accepted; sizes the slots")
+    lo.add_argument("--max-cpu-loras", type=int, default=LoRAConfig.max_cpu_loras,
+                    help="adapters kept in host memory (default: --max-loras)")
     k = parser.add_argument_group("KV store")
     k.add_argument("--kv-host-bytes", type=int, default=kv.host_bytes, help="host-memory tier budget in bytes (0: off)")
     k.add_argument("--kv-redis-url", default=kv.redis_url,
@@ -93,4 +102,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_redis_key_file=args.kv_redis_key_file,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=args.speculative_config,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )

@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from engine_pod.config import SchedulingPolicy, create_engine_config
 from engine_pod.engine.engine_core import EngineCore
+from engine_pod.lora_request import AdapterSpec, LoRARequest
 from engine_pod.core.stats import EngineTotals
 from engine_pod.output_processor import OutputProcessor
 from engine_pod.outputs import RequestOutput
@@ -61,8 +62,11 @@ class LLM:
         priority: Sequence[int] | None = None,
         use_tqdm: bool = False,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order.
+        ``lora_request``: the adapter every prompt runs on, or one per prompt
+        (None: the base model); needs an engine built with enable_lora."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -72,9 +76,10 @@ class LLM:
         # middle of a list must not leave half the batch running.
         processed = [self.processor.process_prompt(p) for p in prompts]
         params_list = [self.processor.process_params(p) for p in params_list]
+        adapters = [self.processor.process_lora(r) for r in self._per_prompt_lora(lora_request, len(prompts))]
         request_ids = [
-            self._add_request(pp, params, prio, cache_salt)
-            for pp, params, prio in zip(processed, params_list, priorities)
+            self._add_request(pp, params, prio, cache_salt, adapter)
+            for pp, params, prio, adapter in zip(processed, params_list, priorities, adapters)
         ]
         results = self._run_to_completion(len(request_ids), use_tqdm)
         return [results[rid] for rid in request_ids]
@@ -90,6 +95,15 @@ class LLM:
             raise ValueError(f"sampling_params: got {len(params)} for {n} prompts; give one or one per prompt")
         return params
 
+    @staticmethod
+    def _per_prompt_lora(lora_request, n: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        requests = list(lora_request)
+        if len(requests) != n:
+            raise ValueError(f"lora_request: got {len(requests)} for {n} prompts; give one or one per prompt")
+        return requests
+
     def _priorities(self, priority, n: int) -> list[int]:
         if priority is None:
             return [0] * n
@@ -100,7 +114,10 @@ class LLM:
             raise ValueError("priority: non-zero priorities need scheduling_policy='priority'")
         return priority
 
-    def _add_request(self, pp: ProcessedPrompt, params: SamplingParams, priority: int, salt: str | None) -> str:
+    def _add_request(
+        self, pp: ProcessedPrompt, params: SamplingParams, priority: int, salt: str | None,
+        adapter: AdapterSpec | None = None,
+    ) -> str:
         request_id = str(next(self._request_counter))
         if params.n == 1:
             children = [(request_id, params)]
@@ -111,7 +128,8 @@ class LLM:
         )
         for child_id, child_params in children:
             self.engine_core.add_request(
-                Request(child_id, pp.prompt_token_ids, child_params, priority=priority, cache_salt=salt)
+                Request(child_id, pp.prompt_token_ids, child_params, priority=priority, cache_salt=salt,
+                        lora=adapter)
             )
         return request_id
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from engine_pod.distributed.parallel_state import TensorParallelGroup
+from engine_pod.lora.layers import LinearLoRA
 from engine_pod.model.weight_source import WeightSource
 
 
@@ -39,6 +40,13 @@ class PackableLinear(nn.Module):
     bias: nn.Parameter | None
     packed: str | None = None  # None (dense), "onednn" or "tessera"
     out_features = 0  # the dense weight's rows (a "tessera" weight holds them in padded panels)
+    # Adapter slots (engine_pod/lora/layers.attach_lora), on the projections of an engine with LoRA.
+    # Set per instance, not here: nn.Module finds a submodule only where no class attribute shadows it.
+    lora: LinearLoRA | None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lora = None
 
     def pack_weight(self, own_kernels: bool = False) -> bool:
         """Replace the dense weight by a packed copy that only ``matmul``
@@ -127,7 +135,10 @@ class MergedColumnParallelLinear(PackableLinear):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        out = self.matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.apply(x, out)
+        return out
 
     def load_weight(self, param_name: str, shard_name: str | None, source: WeightSource) -> None:
         shard = self.shards[shard_name]
@@ -152,7 +163,10 @@ class RowParallelLinear(PackableLinear):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.group.all_reduce(self.matmul(x))
+        partial = self.matmul(x)
+        if self.lora is not None:
+            self.lora.apply(x, partial)  # this rank's share of the update joins its share of the product
+        out = self.group.all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
     def load_weight(self, param_name: str, shard_name: str | None, source: WeightSource) -> None:

@@ -7,6 +7,7 @@ service turns into INVALID_ARGUMENT.
 from __future__ import annotations
 
 from engine_pod.core.scheduler_output import EngineCoreOutput
+from engine_pod.lora_request import AdapterSpec
 from engine_pod.processor import Processor
 from engine_pod.request import Request
 from engine_pod.sampling_params import SamplingParams
@@ -48,9 +49,11 @@ _ROLE_MODES = {
 
 
 def request_from_proto(
-    msg: pb.GenerateRequest, request_id: str, processor: Processor, role: str, shared_kv_store: bool
+    msg: pb.GenerateRequest, request_id: str, processor: Processor, role: str, shared_kv_store: bool,
+    adapter: AdapterSpec | None = None,
 ) -> Request:
-    """ValueError: bad input (INVALID_ARGUMENT); NotImplementedError: a mode this
+    """``adapter``: the one ``msg.lora_name`` names (the caller looked it up).
+    ValueError: bad input (INVALID_ARGUMENT); NotImplementedError: a mode this
     pod cannot serve (FAILED_PRECONDITION)."""
     mode = msg.kv_transfer.mode
     if mode not in _KNOWN_MODES:
@@ -71,7 +74,7 @@ def request_from_proto(
         params.structured_outputs = None
     return Request(
         request_id, prompt.prompt_token_ids, params, priority=msg.priority, cache_salt=msg.cache_salt or None,
-        kv_transfer_mode="produce" if produce else None,
+        kv_transfer_mode="produce" if produce else None, lora=adapter,
     )
 
 

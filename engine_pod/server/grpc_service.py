@@ -18,6 +18,7 @@ from engine_pod.server.async_engine import (
     StreamEnd,
 )
 from engine_pod.server.convert import request_from_proto, response_from_output
+from engine_pod.server.lora_registry import AdapterConflict, AdapterOutsideRoots, LoRADisabled, LoRARegistry
 from engine_pod.server.metrics import EngineMetrics
 from engine_pod.server.prefix_cache_feed import PrefixCacheFeed
 from tessera.tracing import parent_context, tracer
@@ -28,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 class EngineService(pb_grpc.EngineServicer):
-    def __init__(self, processor: Processor, metrics: EngineMetrics, role: str, max_waiting_requests: int) -> None:
+    def __init__(self, processor: Processor, metrics: EngineMetrics, role: str, max_waiting_requests: int,
+                 adapters: LoRARegistry | None = None) -> None:
         # Attached once the model is loaded; until then the pod is not serving.
         self.engine: AsyncEngine | None = None
         self.processor = processor
@@ -37,6 +39,7 @@ class EngineService(pb_grpc.EngineServicer):
         self.max_waiting_requests = max_waiting_requests
         self.serving = False  # flipped by the server after warm-up, and back when draining
         self.stalled = False  # one engine step has run past --step-timeout (step_watchdog.py)
+        self.adapters = adapters or LoRARegistry(processor, [])
 
     def attach(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -52,9 +55,16 @@ class EngineService(pb_grpc.EngineServicer):
         request_id = request.request_id or uuid.uuid4().hex
         if self.engine.has_request(request_id):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
+        adapter = None
+        if request.lora_name:
+            adapter = self.adapters.lookup(request.lora_name)
+            if adapter is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"LoRA adapter {request.lora_name[:256]!r} is not served by this pod")
         try:
             engine_request = request_from_proto(
-                request, request_id, self.processor, self.role, self.processor.config.kv_store.redis_url is not None
+                request, request_id, self.processor, self.role, self.processor.config.kv_store.redis_url is not None,
+                adapter,
             )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -73,7 +83,10 @@ class EngineService(pb_grpc.EngineServicer):
                 queue = self.engine.add_request(engine_request)
             except EngineDeadError as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            stream = _RequestStream(request_id, engine_request.num_prompt_tokens, arrival, self.metrics, span)
+            stream = _RequestStream(request_id, engine_request.num_prompt_tokens, arrival, self.metrics, span,
+                                    request.lora_name or None)
+            if stream.lora_name:
+                self.metrics.on_lora_request(stream.lora_name)
             try:
                 while True:
                     item = await queue.get()
@@ -119,7 +132,38 @@ class EngineService(pb_grpc.EngineServicer):
             matched_prefix_blocks=self.engine.num_cached_prefix_blocks(request.block_hashes),
             serving=self.serving,
             stalled=self.stalled,
+            lora_adapters=self._adapter_list(),
         )
+
+    async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest, context) -> pb.LoRAAdapterList:
+        try:
+            # The check reads the adapter's files: off the frontend's event loop.
+            await asyncio.to_thread(self.adapters.register, request.lora_name, request.lora_path)
+        except AdapterOutsideRoots as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        except AdapterConflict as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except LoRADisabled as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        logger.info("LoRA adapter %r loaded from %s", request.lora_name, request.lora_path)
+        return pb.LoRAAdapterList(adapters=self._adapter_list())
+
+    async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest, context) -> pb.LoRAAdapterList:
+        try:
+            self.adapters.unregister(request.lora_name)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"LoRA adapter {request.lora_name[:256]!r} is not served by this pod")
+        logger.info("LoRA adapter %r unloaded", request.lora_name)
+        return pb.LoRAAdapterList(adapters=self._adapter_list())
+
+    def _adapter_list(self) -> list[pb.LoRAAdapter]:
+        loader = self.engine.core.lora_loader if self.engine is not None else None
+        resident = loader.resident_ids if loader is not None else frozenset()
+        return [pb.LoRAAdapter(name=s.name, fingerprint=s.fingerprint, resident=s.lora_int_id in resident)
+                for s in self.adapters.adapters()]
 
     async def GetLoad(self, request: pb.LoadRequest, context) -> pb.LoadReport:
         return self._load_report(request)
@@ -144,8 +188,10 @@ class EngineService(pb_grpc.EngineServicer):
 class _RequestStream:
     """Turns one request's engine outputs into responses, metrics and span events."""
 
-    def __init__(self, request_id: str, num_prompt_tokens: int, arrival: float, metrics: EngineMetrics, span) -> None:
+    def __init__(self, request_id: str, num_prompt_tokens: int, arrival: float, metrics: EngineMetrics, span,
+                 lora_name: str | None = None) -> None:
         self.request_id = request_id
+        self.lora_name = lora_name
         self.num_prompt_tokens = num_prompt_tokens
         self.arrival = arrival
         self.metrics = metrics
@@ -178,6 +224,8 @@ class _RequestStream:
         self.last_token_time = now
         self.num_output_tokens += len(out.new_token_ids)
         self.metrics.on_tokens(len(out.new_token_ids), since_last)
+        if self.lora_name:
+            self.metrics.on_lora_tokens(self.lora_name, len(out.new_token_ids))
         response = response_from_output(out, self.num_prompt_tokens)
         response.timing.CopyFrom(pb.Timing(
             arrival_time=self.arrival,

@@ -51,7 +51,14 @@ from engine_pod.server.auth import InternalAuthInterceptor, ServerTLS
 from engine_pod.server.cpu_share import cpu_share
 from engine_pod.server.frontend import Frontend, PodServer
 from engine_pod.server.grpc_service import EngineService
-from engine_pod.server.metrics import EngineMetrics, InFlightCollector, KVStoreCollector, StructuredOutputCollector
+from engine_pod.server.lora_registry import LoRARegistry, parse_lora_modules
+from engine_pod.server.metrics import (
+    EngineMetrics,
+    InFlightCollector,
+    KVStoreCollector,
+    LoRACollector,
+    StructuredOutputCollector,
+)
 from engine_pod.server.step_watchdog import watch_steps
 from engine_pod.sim.step_profile import StepTimeProfile
 from tessera.internal_secret import InternalSecret
@@ -82,6 +89,11 @@ def add_parser(sub) -> None:
     p.add_argument("--tls-key-file", default=None, help="mutual TLS: this pod's private key (PEM)")
     p.add_argument("--tls-client-ca-file", default=None,
                    help="mutual TLS: the CA that must have signed every client's certificate (PEM)")
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters to serve from the start (with --enable-lora), by name")
+    p.add_argument("--lora-root", action="append", default=[], metavar="DIR",
+                   help="a folder LoadLoRAAdapter may read adapters from at run time (repeatable; none: no run-time "
+                        "loads)")
     p.add_argument("--step-timeout", type=float, default=60.0,
                    help="seconds one engine step may run before the pod reports itself stalled "
                         "(its streams are ended and routed elsewhere); 0: never")
@@ -110,6 +122,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("step_timeout must be >= 0 (0: never)")
     if args.health_port and args.health_port == args.grpc_port:
         raise ValueError("health_port must differ from grpc_port")
+    if (args.lora_modules or args.lora_root) and not args.enable_lora:
+        raise ValueError("--lora-modules and --lora-root need --enable-lora")
     n = args.simulated_pods
     if n < 1 or (n > 1 and args.simulate is None):
         raise ValueError(f"simulated_pods must be >= 1, and above 1 only with --simulate, got {n}")
@@ -192,7 +206,10 @@ def _pods(args: argparse.Namespace, config: EngineConfig, model_name: str, inter
     for i in range(args.simulated_pods):
         processor = Processor(config, tokenizer=None, eos_token_ids=load_eos_token_ids(config.model.path))
         metrics = EngineMetrics(model_name)
-        service = EngineService(processor, metrics, args.role, args.max_waiting_requests)
+        adapters = LoRARegistry(processor, args.lora_root)
+        for name, path in parse_lora_modules(args.lora_modules):
+            adapters.register(name, path, from_flags=True)
+        service = EngineService(processor, metrics, args.role, args.max_waiting_requests, adapters)
         health_address = f"{args.host}:{args.health_port + i}" if args.health_port else None
         server = PodServer(service, f"{args.host}:{args.grpc_port + i}", interceptors, tls, health_address)
         pods.append(_Pod(service, server, processor, metrics, args.metrics_port + i if args.metrics_port else 0))
@@ -227,6 +244,8 @@ def _start_pod(pod: _Pod, config: EngineConfig, executor: Executor | None, loop,
         pod.metrics.registry.register(KVStoreCollector(pod.core.kv_store, model_name))
     if pod.core.structured_output is not None:
         pod.metrics.registry.register(StructuredOutputCollector(pod.core.structured_output.stats, model_name))
+    if pod.core.lora_loader is not None:
+        pod.metrics.registry.register(LoRACollector(pod.service.adapters, pod.core.lora_loader, model_name))
     pod.engine = AsyncEngine(pod.core, loop)
     pod.metrics.registry.register(InFlightCollector(pod.engine.in_flight, model_name))
     pod.service.attach(pod.engine)

@@ -56,6 +56,12 @@ class EngineMetrics:
         self.ttft = histogram("tessera:time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS)
         self.itl = histogram("tessera:inter_token_latency_seconds", "Time between output tokens", _ITL_BUCKETS)
         self.e2e = histogram("tessera:e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
+        # Per LoRA adapter: its label values are the names the pod serves (an operator's or admin's
+        # choice), never a client's string.
+        self._lora_requests = Counter("tessera:lora_requests", "Requests on a LoRA adapter",
+                                      labels + ["lora_name"], registry=r)
+        self._lora_generation_tokens = Counter("tessera:lora_generation_tokens", "Tokens generated on a LoRA adapter",
+                                               labels + ["lora_name"], registry=r)
 
     def on_step(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running_reqs)
@@ -79,6 +85,12 @@ class EngineMetrics:
         self.generation_tokens.inc(num_tokens)
         if since_last is not None:
             self.itl.observe(since_last)
+
+    def on_lora_request(self, lora_name: str) -> None:
+        self._lora_requests.labels(self._model, lora_name).inc()
+
+    def on_lora_tokens(self, lora_name: str, num_tokens: int) -> None:
+        self._lora_generation_tokens.labels(self._model, lora_name).inc(num_tokens)
 
     def on_finished(self, reason: str, arrival: float, end: float) -> None:
         self._request_success.labels(self._model, reason).inc()
@@ -173,6 +185,33 @@ class StructuredOutputCollector:
             fam = CounterMetricFamily(name, doc, labels=["model_name"])
             fam.add_metric([self.model_name], value)
             yield fam
+
+
+class LoRACollector:
+    """The adapters a pod serves, which are in host memory, and how long each
+    took to read, at scrape time."""
+
+    def __init__(self, registry, loader, model_name: str) -> None:
+        self.registry = registry  # server/lora_registry.LoRARegistry
+        self.loader = loader  # engine/lora_loader.LoRALoader
+        self.model_name = model_name
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        resident = GaugeMetricFamily("tessera:lora_adapter_resident", "1 for a served adapter whose weights are "
+                                     "in host memory, 0 for one that is read on its next request",
+                                     labels=["model_name", "lora_name"])
+        seconds = GaugeMetricFamily("tessera:lora_load_seconds", "Seconds the last read of the adapter took",
+                                    labels=["model_name", "lora_name"])
+        resident_ids = self.loader.resident_ids
+        load_seconds = dict(self.loader.load_seconds)
+        for spec in self.registry.adapters():
+            resident.add_metric([self.model_name, spec.name], float(spec.lora_int_id in resident_ids))
+            if spec.name in load_seconds:
+                seconds.add_metric([self.model_name, spec.name], load_seconds[spec.name])
+        yield resident
+        yield seconds
 
 
 class InFlightCollector:

@@ -25,6 +25,10 @@ class BatchInputs:
     sampling_states: list[CachedRequestState] = field(default_factory=list)
     # Set when a sampling request carries drafts this step.
     spec: SpecDecodeMetadata | None = None
+    # logits_indices on the host, and each row's LoRA slot (-1: the base model;
+    # None: no row runs on an adapter this step).
+    logits_indices_cpu: np.ndarray | None = None
+    token_lora_slots: np.ndarray | None = None
 
 
 def prepare_inputs(
@@ -53,7 +57,11 @@ def prepare_inputs(
         batch.spec = SpecDecodeMetadata([drafts[i] for i in sampling_rows])
         num_drafts = np.array([len(drafts[i]) for i in sampling_rows], dtype=np.int64)
         indices = SpecDecodeMetadata.logits_indices(indices, num_drafts)
+    batch.logits_indices_cpu = indices
     batch.logits_indices = torch.from_numpy(indices).to(device)
+    if so.lora_slots:
+        request_slots = np.array([so.lora_slots.get(s.req_id, -1) for s in states], dtype=np.int32)
+        batch.token_lora_slots = np.repeat(request_slots, np.diff(batch.metadata.query_start_loc_cpu))
     return batch
 
 

@@ -30,6 +30,7 @@ from engine_pod.attention.selector import get_attention_backend
 from engine_pod.config import EngineConfig
 from engine_pod.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine_pod.distributed.parallel_state import TensorParallelGroup, single_rank_group
+from engine_pod.lora.layers import ModelLoRA, attach_lora
 from engine_pod.model.loader import build_model
 from engine_pod.sample.sampler import Sampler, SamplerOutput
 from engine_pod.spec_decode.ngram_proposer import NgramProposer
@@ -84,6 +85,11 @@ class ModelRunner:
             self.arch, config.model.path, config.model.max_model_len, self.dtype, self.device, self.backend,
             self.group,
         )
+        self.lora: ModelLoRA | None = None
+        if config.lora is not None:
+            self.lora = attach_lora(
+                self.model, config.lora, self.dtype, self.device, use_triton=self.backend.name == "triton"
+            )
         self.sampler = Sampler()
         spec_config = config.speculative
         self.drafter = NgramProposer(spec_config) if spec_config is not None else None
@@ -127,12 +133,17 @@ class ModelRunner:
         connector_meta = so.kv_connector if self.kv_connector is not None else None
         if connector_meta:
             self.kv_connector.before_forward(connector_meta)
+        if self.lora is not None:
+            for slot, weights in so.lora_weights.items():
+                self.lora.install(slot, weights)
         if so.is_empty:
             return ModelRunnerOutput({})
         batch = prepare_inputs(so, self.requests, self.block_size, self.device)
         start = time.perf_counter()
         # Every row samples in a decode-only step: no rows to drop, so no copy.
         rows = None if len(batch.logits_indices) == batch.metadata.num_actual_tokens else batch.logits_indices
+        if self.lora is not None:
+            self.lora.set_mapping(batch.token_lora_slots, None if rows is None else batch.logits_indices_cpu)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, rows)
         logits = self.model.compute_logits(hidden) if batch.sampling_states else None
         self.forward_seconds += time.perf_counter() - start

@@ -1,6 +1,7 @@
 """What every /v1 request passes before FastAPI reads its body: the API
-key first (401 whatever the body holds, as OpenAI answers), then, for a
-JSON body, that its text is Unicode text."""
+key first (401 whatever the body holds, as OpenAI answers), for an admin
+endpoint that the key is an admin's (403), then, for a JSON body, that its
+text is Unicode text."""
 
 from __future__ import annotations
 
@@ -49,17 +50,22 @@ async def _check_unicode(request: Request) -> None:
                           re.split(r"[.\[]", where)[0])
 
 
-def authenticated_route(gateway: Gateway) -> type[APIRoute]:
+def authenticated_route(gateway: Gateway, admin: bool = False) -> type[APIRoute]:
+    """`admin`: the routes also need an admin's key (Gateway.check_admin)."""
+
     class AuthenticatedRoute(APIRoute):
         """Authenticates before FastAPI reads the body, so a request without
         a valid key gets 401 whatever its body holds (and learns nothing of
-        the API from the validation errors)."""
+        the API from the validation errors); an admin route refuses other
+        keys (403) before the body too."""
 
         def get_route_handler(self):
             handler = super().get_route_handler()
 
             async def route(request: Request) -> Response:
                 request.state.tenant = gateway.authenticate(request.headers.get("authorization"))
+                if admin:
+                    gateway.check_admin(request.state.tenant)
                 if request.method == "POST":
                     await _check_unicode(request)
                 return await handler(request)

@@ -17,6 +17,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway import structured_output
+from tessera.lora import LORA_NAME_RULE, MAX_LORA_NAME_LEN
+from gateway.lora_admin import MAX_LORA_PATH_LEN
 from gateway.request import SamplingOptions
 from tessera.sampling_limits import (
     API_RANGES,
@@ -42,8 +44,8 @@ def _ranged(name: str, default=None, **kwargs) -> Field:
 
 class ErrorDetail(BaseModel):
     message: str
-    type: str = Field(description="invalid_request_error, authentication_error, rate_limit_error, "
-                                  "service_unavailable or internal_error")
+    type: str = Field(description="invalid_request_error, authentication_error, permission_error, "
+                                  "rate_limit_error, service_unavailable, engine_error or internal_error")
     param: str | None = Field(description="the request field at fault, if any")
     code: str | None = Field(description="a machine-readable reason (context_length_exceeded, "
                                          "tokens_per_minute, ...)")
@@ -59,11 +61,27 @@ _ERROR_STATUSES = {
     400: "Invalid request: malformed JSON, wrong types, out-of-range values, unknown or unsupported fields, "
          "a prompt over the context, an unknown priority class, a bad output constraint",
     401: "No API key, a malformed Authorization header or a wrong key (checked before the body)",
-    404: "An unknown model",
+    403: "The API key may not call this endpoint: admin endpoints need a tenant with `admin: true` in the "
+         "tenants file (always refused without a tenants file)",
+    404: "An unknown model, or one the API key may not use (one answer for both)",
     429: "A tenant limit, shedding or a full queue; Retry-After says when to retry (absent: the request "
          "can never fit the limit)",
     500: "An internal error",
     503: "No engine pod serving, a queue timeout, or the engine failed; Retry-After says when to retry",
+}
+# The admin endpoints' statuses: the engine pods' answers mapped (gateway/lora_admin.py). A failed
+# call's body also carries `pods`, each pod's result.
+_ADMIN_STATUSES = {
+    400: "A bad body or adapter name; an adapter a pod refused (INVALID_ARGUMENT, it names the cause), "
+         "or a pod without LoRA enabled (FAILED_PRECONDITION)",
+    401: _ERROR_STATUSES[401],
+    403: _ERROR_STATUSES[403] + "; or a lora_path outside the pods' --lora-root folders",
+    404: "Unload: no engine pod serves the adapter",
+    409: "Load: the name is already served from another folder (unload it first)",
+    500: _ERROR_STATUSES[500],
+    502: "A pod failed otherwise, or the pods' failures disagree (see `pods`)",
+    503: "No engine pod known, or a pod unavailable",
+    504: "A pod did not answer within model.lora_admin_timeout_s",
 }
 
 
@@ -75,6 +93,11 @@ def _doc(**schema) -> Field:
 def error_responses(*statuses: int) -> dict:
     """The `responses` of a route: each status it can return, with OpenAI's error schema."""
     return {s: {"model": ErrorResponse, "description": _ERROR_STATUSES[s]} for s in statuses}
+
+
+def admin_error_responses() -> dict:
+    """The `responses` of the admin endpoints."""
+    return {s: {"model": ErrorResponse, "description": text} for s, text in _ADMIN_STATUSES.items()}
 
 
 # Strict types: JSON's true is not the integer 1, nor "2" the number 2 (as
@@ -90,7 +113,8 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     model_config = _STRICT
 
-    model: str = Field(description="the served model (GET /v1/models); another name is 404")
+    model: str = Field(description="the served model or one of its LoRA adapters (GET /v1/models); another "
+                                   "name, or one the API key may not use, is 404")
     n: int = _ranged("n", 1)
     temperature: float | None = _ranged("temperature")
     top_p: float | None = _ranged("top_p")
@@ -195,3 +219,21 @@ class ChatCompletionRequest(_SamplingFields):
     logit_bias: dict[str, float] | None = Field(None, description=_UNSUPPORTED,
                                                 json_schema_extra={"maxProperties": 0})
     tools: list[dict] | None = Field(None, description=_UNSUPPORTED, json_schema_extra={"maxItems": 0})
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's body of POST /v1/load_lora_adapter."""
+
+    model_config = _STRICT
+    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_LEN,
+                           description=f"the model name clients will use ({LORA_NAME_RULE}; not the base model's)")
+    lora_path: str = Field(min_length=1, max_length=MAX_LORA_PATH_LEN,
+                           description="the adapter's folder (PEFT layout) on the engine pods, inside their "
+                                       "--lora-root folders")
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's body of POST /v1/unload_lora_adapter."""
+
+    model_config = _STRICT
+    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_LEN)

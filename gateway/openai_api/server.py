@@ -1,6 +1,7 @@
 """The OpenAI-compatible REST API (FastAPI): /v1/completions,
-/v1/chat/completions, /v1/models, plus /health. (Metrics have their own
-port: gateway/main.py.)
+/v1/chat/completions, /v1/models, vLLM's admin endpoints
+/v1/load_lora_adapter and /v1/unload_lora_adapter, plus /health. (Metrics
+have their own port: gateway/main.py.)
 
 The OpenAPI document is served at /openapi.json. Every answer but a 2xx is
 OpenAI's error object, whatever failed: the body, the key, a route or
@@ -21,6 +22,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from gateway import lora_admin
+from gateway.catalog import ModelEntry
 from gateway.errors import (
     GatewayError,
     bad_request,
@@ -30,7 +33,14 @@ from gateway.errors import (
     unavailable,
 )
 from gateway.openai_api.checks import authenticated_route
-from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest, error_responses
+from gateway.openai_api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    admin_error_responses,
+    error_responses,
+)
 from gateway.openai_api.render import (
     chat_choice,
     chat_chunk_choice,
@@ -46,11 +56,25 @@ logger = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.25
 
 
-def error_response(e: GatewayError) -> Response:
+def error_response(e: GatewayError, extra: dict | None = None) -> Response:
+    """OpenAI's error object; `extra`: more top-level keys beside `error`."""
     headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after is not None else None
     # ASCII JSON: a message that quotes the client's input renders whatever it holds.
-    return Response(json.dumps(e.to_openai()), status_code=e.status, headers=headers,
+    return Response(json.dumps({**e.to_openai(), **(extra or {})}), status_code=e.status, headers=headers,
                     media_type="application/json")
+
+
+def _model_json(entry: ModelEntry, max_model_len: int) -> dict:
+    """vLLM's model card: an adapter's `parent` is the base model; `root` is the
+    name itself (the folders live on the engine pods, not here)."""
+    return {"id": entry.id, "object": "model", "created": 0, "owned_by": "tessera", "root": entry.id,
+            "parent": entry.parent, "max_model_len": max_model_len}
+
+
+def _admin_response(result: lora_admin.AdminResult) -> Response:
+    if result.ok:
+        return Response(json.dumps(result.to_json()), media_type="application/json")
+    return error_response(result.error(), {"pods": [o.to_json() for o in result.outcomes]})
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -88,6 +112,7 @@ def build_app(gateway: Gateway) -> FastAPI:
     # FastAPI itself makes the SERVER span of each request (joined to the
     # caller's W3C traceparent) with the global tracer provider.
     v1 = APIRouter(route_class=authenticated_route(gateway))
+    admin = APIRouter(route_class=authenticated_route(gateway, admin=True))
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError):
@@ -146,10 +171,25 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @v1.get("/v1/models", responses=error_responses(401, 500))
     async def models(request: Request):
-        m = gateway.model
-        return {"object": "list", "data": [{
-            "id": m.name, "object": "model", "created": 0, "owned_by": "tessera", "max_model_len": m.max_model_len,
-        }]}
+        """The base model and its LoRA adapters, those the API key may use."""
+        entries = gateway.catalog.visible(request.state.tenant)
+        return {"object": "list", "data": [_model_json(e, gateway.model.max_model_len) for e in entries]}
+
+    @v1.get("/v1/models/{model_id:path}", responses=error_responses(401, 404, 500))
+    async def model(model_id: str, request: Request):
+        """One model, as listed; 404 for one the API key may not use."""
+        return _model_json(gateway.catalog.find(model_id, request.state.tenant), gateway.model.max_model_len)
+
+    @admin.post("/v1/load_lora_adapter", responses=admin_error_responses())
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request):
+        """Serve a LoRA adapter under a new model name, on every engine pod (admin key only)."""
+        return _admin_response(await lora_admin.load_adapter(gateway, body.lora_name, body.lora_path,
+                                                             request.state.tenant.name))
+
+    @admin.post("/v1/unload_lora_adapter", responses=admin_error_responses())
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request):
+        """Stop serving a LoRA adapter on every engine pod (admin key only); requests in flight finish."""
+        return _admin_response(await lora_admin.unload_adapter(gateway, body.lora_name, request.state.tenant.name))
 
     @app.get("/health", responses=error_responses(503))
     async def health():
@@ -172,6 +212,7 @@ def build_app(gateway: Gateway) -> FastAPI:
         return error_response(unavailable("no engine pod is serving", "no_engine_pod"))
 
     app.include_router(v1)
+    app.include_router(admin)
     return app
 
 

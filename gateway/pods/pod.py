@@ -10,11 +10,16 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from tessera.lora import LORA_NAME_RE
 from gateway.hash_ring import ring_position
 from gateway.pods.deadline import ProgressDeadline
 from tessera.internal_channel import InternalClient
 from tessera.v1 import engine_pb2 as epb
 from tessera.v1 import engine_pb2_grpc as epb_grpc
+
+# The most LoRA adapters believed of one pod's report: names become metric
+# labels and /v1/models entries, so a faulty pod must not flood them.
+MAX_REPORTED_ADAPTERS = 1024
 
 # gRPC channel options for a long-lived loopback/cluster connection: fail
 # fast when the pod is gone instead of waiting for reconnect back-off.
@@ -61,6 +66,9 @@ class Pod:
     calls: set[ProgressDeadline] = field(default_factory=set, repr=False)
     # False while ejected (connection lost, failed calls) until a report arrives.
     healthy: bool = False
+    # The LoRA adapters the pod serves, by name, as of its last report (or the
+    # answer to this gateway's last adapter load/unload on it, whichever is later).
+    adapters: dict[str, epb.LoRAAdapter] = field(default_factory=dict, repr=False)
 
     # A 64-bit hash of the address: the bounded router's order among equally loaded pods.
     address_hash: int = field(init=False, repr=False)
@@ -81,6 +89,19 @@ class Pod:
         self.load_time = time.monotonic()
         self.dispatched_since_report = 0
         self.healthy = True
+        self.set_adapters(report.lora_adapters)
+
+    def set_adapters(self, adapters) -> None:
+        """What the pod says it serves now (a report's `lora_adapters`, or a
+        LoRAAdapterList answer): names outside the adapter name rule are
+        dropped, and at most MAX_REPORTED_ADAPTERS are kept."""
+        kept: dict[str, epb.LoRAAdapter] = {}
+        for adapter in adapters:
+            if len(kept) >= MAX_REPORTED_ADAPTERS:
+                break
+            if LORA_NAME_RE.fullmatch(adapter.name):
+                kept[adapter.name] = adapter
+        self.adapters = kept
 
     def eject(self) -> None:
         self.healthy = False

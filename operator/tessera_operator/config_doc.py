@@ -55,7 +55,8 @@ class Field:
     def description(self) -> str:
         text = self.schema.get("description") or FALLBACK_DESCRIPTIONS.get(self.path)
         if not text:
-            raise ValueError(f"{self.path}: the schema has no description (add one in crd_spec.py or crd_engine.py)")
+            raise ValueError(f"{self.path}: the schema has no description "
+                             "(add one in crd_spec.py, crd_engine.py or crd_lora.py)")
         return text
 
 
@@ -172,7 +173,11 @@ def _row(f: Field) -> str:
 
 def _rules(root_schema: Schema, fields: list[Field], roots: list[str]) -> list[str]:
     lines = []
-    nodes = ([("", root_schema)] if WHOLE in roots else []) + [(f.path, f.schema) for f in fields]
+    nodes = [("", root_schema)] if WHOLE in roots else []
+    for f in fields:
+        nodes.append((f.path, f.schema))
+        if f.schema.get("type") == "array" and isinstance(f.schema.get("items"), dict):
+            nodes.append((f.path + "[]", f.schema["items"]))  # rules on each item of a list
     for path, node in nodes:
         for rule in node.get("x-kubernetes-validations", []):
             where = f"`{path}`" if path else "the resource"

@@ -1,4 +1,5 @@
-"""The engine pods' sections of the InferenceService spec: engine, pools, autoscaling, kvStore.
+"""The engine pods' sections of the InferenceService spec: engine, pools, autoscaling, kvStore
+(engine.lora is crd_lora's, beside spec.loras).
 
 The engine's own choices are spelled out here (the operator does not import the engine, which
 pulls in torch); tests/operator/test_reconcile.py checks they agree.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from kv_store.block_hash import DEFAULT_BLOCK_SIZE
 from tessera.roles import POD_ROLES
+from tessera_operator.crd_lora import engine_lora_schema
 from tessera_operator.schema_dsl import (
     Schema,
     array,
@@ -65,6 +67,7 @@ def engine_schema() -> Schema:
                                    "run fails the pod at start-up).",
                                    enum=list(ATTENTION_BACKENDS), default="auto"),
         "speculative": _speculative(),
+        "lora": engine_lora_schema(),
     }, default={})
 
 

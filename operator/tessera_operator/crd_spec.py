@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from tessera.internal_secret import SECRET_KEY
 from tessera_operator.crd_engine import autoscaling_schema, engine_schema, kv_store_schema, pools_schema
+from tessera_operator.crd_lora import LORA_NAMES_RULE, LORA_SETTINGS_RULE, loras_schema
 from tessera_operator.schema_dsl import (
     DNS_LABEL_PATTERN,
+    ONE_SOURCE_RULE,
     Schema,
     array,
     boolean,
+    folder_sources,
     integer,
     obj,
     resources,
@@ -21,7 +24,6 @@ from tessera_operator.schema_dsl import (
 # `control-plane` (gateway and operator, no torch).
 DEFAULT_IMAGE = "ghcr.io/tessera-ai/tessera:0.1.0"
 DEFAULT_CONTROL_PLANE_IMAGE = "ghcr.io/tessera-ai/tessera-control-plane:0.1.0"
-ONE_SOURCE_RULE = "has(self.pvc) != has(self.hostPath)"
 # The KV store keys whole blocks, not per-rank shards: the engine refuses TP > 1 with Redis.
 TP_REDIS_RULE = "self.engine.tensorParallelSize == 1 || !has(self.kvStore.redis)"
 DEFAULT_CLASS_RULE = "self.priorityClasses.exists(c, c.name == self.defaultPriorityClass)"
@@ -30,6 +32,7 @@ DEFAULT_CLASS_RULE = "self.priorityClasses.exists(c, c.name == self.defaultPrior
 def spec_schema() -> Schema:
     return obj("Desired state of an InferenceService.", {
         "model": _model(),
+        "loras": loras_schema(),
         "image": string("Container image of the engine pods (the Dockerfile's engine target, with torch); "
                         "the gateway's too when it is not this default and gateway.image is unset (the "
                         "engine image holds the gateway as well).", default=DEFAULT_IMAGE, min_length=1),
@@ -50,8 +53,13 @@ def spec_schema() -> Schema:
         "internalSecretRef": _internal_secret_ref(),
         "internalTLS": _internal_tls(),
         "networkPolicy": _network_policy(),
-    }, required=["model"], rules=[(TP_REDIS_RULE, "kvStore.redis does not support engine.tensorParallelSize "
-                                                  "above 1 yet (KV blocks are not sharded per rank)")])
+    }, required=["model"], rules=[
+        (TP_REDIS_RULE, "kvStore.redis does not support engine.tensorParallelSize above 1 yet (KV blocks are not "
+                        "sharded per rank)"),
+        (LORA_NAMES_RULE, "every loras[].name must differ from model.name (requests choose the adapter by it)"),
+        (LORA_SETTINGS_RULE, "engine.lora needs adapters to serve: list them in loras, or folders to load them "
+                             "from in engine.lora.runtimeRoots"),
+    ])
 
 
 def _model() -> Schema:
@@ -59,16 +67,12 @@ def _model() -> Schema:
         "name": string("Served model name: the `model` field of requests, and what /v1/models lists.",
                        min_length=1, max_length=253,
                        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$"),
-        "pvc": obj("Checkpoint on a PersistentVolumeClaim (ReadOnlyMany when pods span nodes).", {
-            "claimName": string("Name of the PVC, in the InferenceService's namespace.", min_length=1),
-            "path": string("Checkpoint folder inside the volume, relative to its root (empty: the root).",
-                           default="", pattern=r"^[^/].*$|^$"),
-        }, required=["claimName"]),
-        "hostPath": obj("Checkpoint in a folder present on every node (single-node clusters; the local "
-                        "machine's folder for `tessera up`).", {
-            "path": string("Absolute path of the checkpoint folder (config.json, safetensors, tokenizer files).",
-                           pattern=r"^/"),
-        }, required=["path"]),
+        **folder_sources(
+            "Checkpoint on a PersistentVolumeClaim (ReadOnlyMany when pods span nodes).",
+            "Checkpoint folder inside the volume, relative to its root (empty: the root).",
+            "Checkpoint in a folder present on every node (single-node clusters; the local machine's folder for "
+            "`tessera up`).",
+            "Absolute path of the checkpoint folder (config.json, safetensors, tokenizer files)."),
         "dtype": string("Weights and activations dtype. auto: the checkpoint's on GPUs; on CPUs bfloat16 for a "
                         "bfloat16 checkpoint where the CPU has bf16 arithmetic, else float32.",
                         enum=["auto", "float32", "bfloat16", "float16"],

@@ -7,7 +7,7 @@ import json
 from kubernetes.utils.quantity import parse_quantity
 
 from kv_store.redis_tier import REDIS_URL_ENV  # the engine reads the Redis URL (password included) from it
-from tessera_operator import names, pod_parts, secret_files
+from tessera_operator import loras, names, pod_parts, secret_files
 from tessera_operator.names import Owner
 
 GRPC_PORT = 50061
@@ -43,6 +43,7 @@ def engine_args(owner: Owner, spec: dict, role: str) -> list[str]:
         args += ["--speculative-config", speculative_config_json(engine["speculative"])]
     if not engine["prefixCaching"]:
         args.append("--no-prefix-caching")
+    args += loras.engine_args(spec)
     host_bytes = int(parse_quantity(kv["hostMemory"]))
     if host_bytes > 0:
         args += ["--kv-host-bytes", str(host_bytes)]
@@ -117,7 +118,8 @@ def _container(owner: Owner, spec: dict, role: str) -> dict:
         "lifecycle": pod_parts.prestop_sleep(),
         "env": engine_env(spec),
         "securityContext": pod_parts.container_security_context(),
-        "volumeMounts": [pod_parts.model_mount(), {"name": "dshm", "mountPath": "/dev/shm"}, pod_parts.tmp_mount(),
+        "volumeMounts": [pod_parts.model_mount(), *loras.mounts(spec),
+                         {"name": "dshm", "mountPath": "/dev/shm"}, pod_parts.tmp_mount(),
                          *_secret_files(owner, spec).mounts],
     }
     return container
@@ -134,8 +136,9 @@ def deployment(owner: Owner, spec: dict, role: str, replicas: int) -> dict:
         "enableServiceLinks": False,
         # Tensor-parallel workers exchange tensors through shared memory; /tmp holds the
         # compiled kernels (torch extensions, triton).
-        "volumes": [pod_parts.model_volume(spec["model"]), {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-                    pod_parts.tmp_volume(), *_secret_files(owner, spec).volumes],
+        "volumes": [pod_parts.model_volume(spec["model"]), *loras.volumes(spec),
+                    {"name": "dshm", "emptyDir": {"medium": "Memory"}}, pod_parts.tmp_volume(),
+                    *_secret_files(owner, spec).volumes],
     }
     if pool.get("nodeSelector"):
         pod_spec["nodeSelector"] = dict(pool["nodeSelector"])

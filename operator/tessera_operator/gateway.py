@@ -6,7 +6,7 @@ import hashlib
 
 import yaml
 
-from tessera_operator import names, pod_parts, secret_files
+from tessera_operator import loras, names, pod_parts, secret_files
 from tessera_operator.crd_spec import DEFAULT_CONTROL_PLANE_IMAGE, DEFAULT_IMAGE
 from tessera_operator.names import Owner
 
@@ -37,6 +37,9 @@ def gateway_config(owner: Owner, spec: dict) -> dict:
             "services": {role: names.pool_name(owner, role) for role in names.active_pools(spec["mode"])},
         }},
     }
+    if spec.get("loras"):
+        # Names only: the gateway lists them in /v1/models and routes by them; the pods hold the folders.
+        config["model"]["loras"] = loras.gateway_loras(spec)
     if "tenantsSecretRef" in gw:
         config["tenants_file"] = f"{TENANTS_DIR}/{TENANTS_KEY}"
     config["priority_classes"] = [

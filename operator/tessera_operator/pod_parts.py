@@ -26,17 +26,27 @@ def object_meta(owner: Owner, name: str, labels: dict[str, str]) -> dict:
             "ownerReferences": [owner.reference()]}
 
 
+def folder_path(mount: str, folder: dict) -> str:
+    """Where a folder given as `pvc` or `hostPath` appears inside a container that has its volume at
+    `mount`: a claim's volume is its root, so the claim's `path` follows; a node folder is the volume."""
+    sub = folder["pvc"].get("path", "") if "pvc" in folder else ""
+    return f"{mount}/{sub}".rstrip("/") if sub else mount
+
+
+def folder_volume(name: str, folder: dict) -> dict:
+    """The pod volume of a folder's source, read-only: the whole claim, or the node's folder."""
+    if "pvc" in folder:
+        return {"name": name, "persistentVolumeClaim": {"claimName": folder["pvc"]["claimName"], "readOnly": True}}
+    return {"name": name, "hostPath": {"path": folder["hostPath"]["path"], "type": "Directory"}}
+
+
 def model_path(model: dict) -> str:
     """Where the checkpoint folder appears inside every container."""
-    sub = model["pvc"].get("path", "") if "pvc" in model else ""
-    return f"{MODELS_MOUNT}/{sub}".rstrip("/") if sub else MODELS_MOUNT
+    return folder_path(MODELS_MOUNT, model)
 
 
 def model_volume(model: dict) -> dict:
-    if "pvc" in model:
-        return {"name": MODEL_VOLUME,
-                "persistentVolumeClaim": {"claimName": model["pvc"]["claimName"], "readOnly": True}}
-    return {"name": MODEL_VOLUME, "hostPath": {"path": model["hostPath"]["path"], "type": "Directory"}}
+    return folder_volume(MODEL_VOLUME, model)
 
 
 def model_mount() -> dict:

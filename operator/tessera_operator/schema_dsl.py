@@ -17,6 +17,8 @@ QUANTITY_PATTERN = (
 )
 # A DNS label: object and namespace names.
 DNS_LABEL_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# A folder is on a PersistentVolumeClaim or on the node, never both (model, adapters).
+ONE_SOURCE_RULE = "has(self.pvc) != has(self.hostPath)"
 _UNSET = object()
 
 
@@ -42,8 +44,10 @@ def string(description: str, *, default: Any = _UNSET, enum: list[str] | None = 
 
 
 def integer(description: str, *, default: Any = _UNSET, minimum: int | None = None,
-            maximum: int | None = None) -> Schema:
+            maximum: int | None = None, enum: list[int] | None = None) -> Schema:
     s: Schema = {"type": "integer", "format": "int64"}
+    if enum is not None:
+        s["enum"] = enum
     if minimum is not None:
         s["minimum"] = minimum
     if maximum is not None:
@@ -118,3 +122,18 @@ def resources(description: str) -> Schema:
                                quantity("A quantity.")),
         "limits": string_map("Most the container may use, by name (cpu, memory, ...).", quantity("A quantity.")),
     }, default={})
+
+
+def folder_sources(pvc_description: str, path_description: str, host_description: str,
+                   host_path_description: str) -> dict[str, Schema]:
+    """Where a folder lives, as the model's checkpoint says it: `pvc` (a claim and a path inside it)
+    or `hostPath` (a node's folder); the object holding them carries ONE_SOURCE_RULE."""
+    return {
+        "pvc": obj(pvc_description, {
+            "claimName": string("Name of the PVC, in the InferenceService's namespace.", min_length=1),
+            "path": string(path_description, default="", pattern=r"^[^/].*$|^$"),
+        }, required=["claimName"]),
+        "hostPath": obj(host_description, {
+            "path": string(host_path_description, pattern=r"^/"),
+        }, required=["path"]),
+    }

@@ -1,4 +1,5 @@
-"""The InferenceService's status from its Deployments: replicas per pool and conditions.
+"""The InferenceService's status from its Deployments: replicas per pool, the LoRA adapters
+served, and conditions.
 
 A component's condition is True when it can serve: at least one ready pod,
 or a pool deliberately scaled to zero (the gateway queues its requests and
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera_operator import names
+from tessera_operator import loras, names
 from tessera_operator.names import Owner
 
 POOL_CONDITION = {"mixed": "EngineReady", "prefill": "PrefillReady", "decode": "DecodeReady"}
@@ -76,5 +77,7 @@ def build_status(isvc: dict, deployments: dict[str, dict | None], desired: dict[
         "mode": spec["mode"],
         "url": names.gateway_url(owner),
         "pools": pools,
+        # null when none: the status is merge-patched, and null deletes a list an earlier spec left.
+        "loras": loras.served_names(spec) or None,
         "conditions": [c.as_dict(generation, now, previous.get(c.type)) for c in parts],
     }

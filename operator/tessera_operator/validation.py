@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tessera_operator import crd, crd_engine, crd_spec
-from tessera_operator.schema_dsl import DNS_LABEL_PATTERN
+from tessera_operator import crd, crd_engine, crd_lora, crd_spec
+from tessera_operator.schema_dsl import DNS_LABEL_PATTERN, ONE_SOURCE_RULE
 
 Schema = dict[str, Any]
 
@@ -43,16 +43,20 @@ class InvalidInferenceService(ValueError):
 
 def _name_ok(obj: dict) -> bool:
     name = (obj.get("metadata") or {}).get("name", "")
-    return isinstance(name, str) and len(name) <= crd.MAX_NAME_LENGTH and re.match(DNS_LABEL_PATTERN, name) is not None
+    return isinstance(name, str) and len(name) <= crd.MAX_NAME_LENGTH and pattern_matches(DNS_LABEL_PATTERN, name)
 
 
 RULE_CHECKS: dict[str, Callable[[dict], bool]] = {
     crd_engine.MIN_LE_MAX_RULE: lambda pool: pool["minReplicas"] <= pool["maxReplicas"],
-    crd_spec.ONE_SOURCE_RULE: lambda model: ("pvc" in model) != ("hostPath" in model),
+    ONE_SOURCE_RULE: lambda folder: ("pvc" in folder) != ("hostPath" in folder),
     crd_spec.TP_REDIS_RULE: lambda spec: spec["engine"]["tensorParallelSize"] == 1 or "redis" not in spec["kvStore"],
     crd_engine.LOOKUP_BOUNDS_RULE: lambda spec: spec["promptLookupMin"] <= spec["promptLookupMax"],
     crd_spec.DEFAULT_CLASS_RULE: lambda gw: any(c["name"] == gw["defaultPriorityClass"] for c in gw["priorityClasses"]),
     crd.NAME_RULE: _name_ok,
+    crd_lora.CPU_LORAS_RULE: lambda lora: lora.get("maxCpuLoras", lora["maxLoras"]) >= lora["maxLoras"],
+    crd_lora.LORA_NAMES_RULE: lambda spec: all(a["name"] != spec["model"]["name"] for a in spec.get("loras", [])),
+    crd_lora.LORA_SETTINGS_RULE: lambda spec: ("lora" not in spec["engine"] or bool(spec.get("loras"))
+                                               or bool(spec["engine"]["lora"]["runtimeRoots"])),
 }
 
 
@@ -151,9 +155,20 @@ def _scalar_problems(value: Any, schema: Schema) -> list[str]:
             problems.append(f"must have at least {schema['minLength']} characters")
         if "maxLength" in schema and len(value) > schema["maxLength"]:
             problems.append(f"must have at most {schema['maxLength']} characters")
-        if "pattern" in schema and not re.search(schema["pattern"], value):
+        if "pattern" in schema and not pattern_matches(schema["pattern"], value):
             problems.append(f"{value!r} does not match {schema['pattern']}")
     return problems
+
+
+# An unescaped `$`: the API server runs patterns with Go's RE2, where `$` (without the m flag) is the
+# end of the text; Python's `$` also matches before a final newline, which would let "name\n" through.
+_END_ANCHOR = re.compile(r"(?<!\\)\$")
+
+
+def pattern_matches(pattern: str, value: str) -> bool:
+    """A CRD `pattern` as the API server applies it (a search, `$` the end of the text). The schema's
+    patterns put no `$` in a character class, where this rewrite would be wrong."""
+    return re.search(_END_ANCHOR.sub(r"\\Z", pattern), value) is not None
 
 
 def _validate_object(value: dict, schema: Schema, path: str) -> list[FieldError]:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tessera.v1 import structured_output_pb2 as tessera_dot_v1_dot_structured__output__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tessera/v1/engine.proto\x12\ntessera.v1\x1a\"tessera/v1/structured_output.proto\"\xf2\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1d.tessera.v1.StructuredOutputsB\x07\n\x05_seedB\x0b\n\t_logprobs\"~\n\x10KVTransferParams\x12/\n\x04mode\x18\x01 \x01(\x0e\x32!.tessera.v1.KVTransferParams.Mode\"9\n\x04Mode\x12\r\n\tMODE_NONE\x10\x00\x12\x10\n\x0cMODE_PRODUCE\x10\x01\x12\x10\n\x0cMODE_CONSUME\x10\x02\"\xcd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.tessera.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x31\n\x0bkv_transfer\x18\x06 \x01(\x0b\x32\x1c.tessera.v1.KVTransferParams\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\":\n\rTokenLogprobs\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.tessera.v1.TokenLogprob\"o\n\x06Timing\x12\x14\n\x0c\x61rrival_time\x18\x01 \x01(\x01\x12\x1c\n\x14\x66irst_scheduled_time\x18\x02 \x01(\x01\x12\x18\n\x10\x66irst_token_time\x18\x03 \x01(\x01\x12\x17\n\x0flast_token_time\x18\x04 \x01(\x01\"\x85\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.tessera.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\"\n\x06timing\x18\x08 \x01(\x0b\x32\x12.tessera.v1.TimingB\x10\n\x0e_stop_token_id\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"S\n\x0bLoadRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x13\n\x0binterval_ms\x18\x02 \x01(\x05\x12\x19\n\x11prefix_cache_keys\x18\x03 \x01(\x08\"A\n\x0fPrefixCacheKeys\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x06\x12\x0f\n\x07removed\x18\x03 \x03(\x06\"\xbb\x02\n\nLoadReport\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x02\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\x05\x12\x1a\n\x12num_free_kv_blocks\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x1d\n\x15matched_prefix_blocks\x18\x08 \x01(\x05\x12\x0f\n\x07serving\x18\t \x01(\x08\x12\x0f\n\x07stalled\x18\n \x01(\x08\x12\x31\n\x0cprefix_cache\x18\x0b \x01(\x0b\x32\x1b.tessera.v1.PrefixCacheKeys\x12\"\n\x1anum_pending_prefill_tokens\x18\x0c \x01(\x03\x32\x8c\x02\n\x06\x45ngine\x12G\n\x08Generate\x12\x1b.tessera.v1.GenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.tessera.v1.AbortRequest\x1a\x19.tessera.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.tessera.v1.LoadRequest\x1a\x16.tessera.v1.LoadReport\x12?\n\nStreamLoad\x12\x17.tessera.v1.LoadRequest\x1a\x16.tessera.v1.LoadReport0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tessera/v1/engine.proto\x12\ntessera.v1\x1a\"tessera/v1/structured_output.proto\"\xf2\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1d.tessera.v1.StructuredOutputsB\x07\n\x05_seedB\x0b\n\t_logprobs\"~\n\x10KVTransferParams\x12/\n\x04mode\x18\x01 \x01(\x0e\x32!.tessera.v1.KVTransferParams.Mode\"9\n\x04Mode\x12\r\n\tMODE_NONE\x10\x00\x12\x10\n\x0cMODE_PRODUCE\x10\x01\x12\x10\n\x0cMODE_CONSUME\x10\x02\"\xe0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.tessera.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x31\n\x0bkv_transfer\x18\x06 \x01(\x0b\x32\x1c.tessera.v1.KVTransferParams\x12\x11\n\tlora_name\x18\x07 \x01(\t\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\":\n\rTokenLogprobs\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.tessera.v1.TokenLogprob\"o\n\x06Timing\x12\x14\n\x0c\x61rrival_time\x18\x01 \x01(\x01\x12\x1c\n\x14\x66irst_scheduled_time\x18\x02 \x01(\x01\x12\x18\n\x10\x66irst_token_time\x18\x03 \x01(\x01\x12\x17\n\x0flast_token_time\x18\x04 \x01(\x01\"\x85\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.tessera.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\"\n\x06timing\x18\x08 \x01(\x0b\x32\x12.tessera.v1.TimingB\x10\n\x0e_stop_token_id\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"S\n\x0bLoadRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x13\n\x0binterval_ms\x18\x02 \x01(\x05\x12\x19\n\x11prefix_cache_keys\x18\x03 \x01(\x08\"A\n\x0fPrefixCacheKeys\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x06\x12\x0f\n\x07removed\x18\x03 \x03(\x06\"\xeb\x02\n\nLoadReport\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x02\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\x05\x12\x1a\n\x12num_free_kv_blocks\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x1d\n\x15matched_prefix_blocks\x18\x08 \x01(\x05\x12\x0f\n\x07serving\x18\t \x01(\x08\x12\x0f\n\x07stalled\x18\n \x01(\x08\x12\x31\n\x0cprefix_cache\x18\x0b \x01(\x0b\x32\x1b.tessera.v1.PrefixCacheKeys\x12\"\n\x1anum_pending_prefill_tokens\x18\x0c \x01(\x03\x12.\n\rlora_adapters\x18\r \x03(\x0b\x32\x17.tessera.v1.LoRAAdapter\"B\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x10\n\x08resident\x18\x03 \x01(\x08\">\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"<\n\x0fLoRAAdapterList\x12)\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x17.tessera.v1.LoRAAdapter2\xb8\x03\n\x06\x45ngine\x12G\n\x08Generate\x12\x1b.tessera.v1.GenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.tessera.v1.AbortRequest\x1a\x19.tessera.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.tessera.v1.LoadRequest\x1a\x16.tessera.v1.LoadReport\x12?\n\nStreamLoad\x12\x17.tessera.v1.LoadRequest\x1a\x16.tessera.v1.LoadReport0\x01\x12R\n\x0fLoadLoRAAdapter\x12\".tessera.v1.LoadLoRAAdapterRequest\x1a\x1b.tessera.v1.LoRAAdapterList\x12V\n\x11UnloadLoRAAdapter\x12$.tessera.v1.UnloadLoRAAdapterRequest\x1a\x1b.tessera.v1.LoRAAdapterListb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,25 +39,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVTRANSFERPARAMS_MODE']._serialized_start=517
   _globals['_KVTRANSFERPARAMS_MODE']._serialized_end=574
   _globals['_GENERATEREQUEST']._serialized_start=577
-  _globals['_GENERATEREQUEST']._serialized_end=782
-  _globals['_TOKENLOGPROB']._serialized_start=784
-  _globals['_TOKENLOGPROB']._serialized_end=847
-  _globals['_TOKENLOGPROBS']._serialized_start=849
-  _globals['_TOKENLOGPROBS']._serialized_end=907
-  _globals['_TIMING']._serialized_start=909
-  _globals['_TIMING']._serialized_end=1020
-  _globals['_GENERATERESPONSE']._serialized_start=1023
-  _globals['_GENERATERESPONSE']._serialized_end=1284
-  _globals['_ABORTREQUEST']._serialized_start=1286
-  _globals['_ABORTREQUEST']._serialized_end=1321
-  _globals['_ABORTRESPONSE']._serialized_start=1323
-  _globals['_ABORTRESPONSE']._serialized_end=1355
-  _globals['_LOADREQUEST']._serialized_start=1357
-  _globals['_LOADREQUEST']._serialized_end=1440
-  _globals['_PREFIXCACHEKEYS']._serialized_start=1442
-  _globals['_PREFIXCACHEKEYS']._serialized_end=1507
-  _globals['_LOADREPORT']._serialized_start=1510
-  _globals['_LOADREPORT']._serialized_end=1825
-  _globals['_ENGINE']._serialized_start=1828
-  _globals['_ENGINE']._serialized_end=2096
+  _globals['_GENERATEREQUEST']._serialized_end=801
+  _globals['_TOKENLOGPROB']._serialized_start=803
+  _globals['_TOKENLOGPROB']._serialized_end=866
+  _globals['_TOKENLOGPROBS']._serialized_start=868
+  _globals['_TOKENLOGPROBS']._serialized_end=926
+  _globals['_TIMING']._serialized_start=928
+  _globals['_TIMING']._serialized_end=1039
+  _globals['_GENERATERESPONSE']._serialized_start=1042
+  _globals['_GENERATERESPONSE']._serialized_end=1303
+  _globals['_ABORTREQUEST']._serialized_start=1305
+  _globals['_ABORTREQUEST']._serialized_end=1340
+  _globals['_ABORTRESPONSE']._serialized_start=1342
+  _globals['_ABORTRESPONSE']._serialized_end=1374
+  _globals['_LOADREQUEST']._serialized_start=1376
+  _globals['_LOADREQUEST']._serialized_end=1459
+  _globals['_PREFIXCACHEKEYS']._serialized_start=1461
+  _globals['_PREFIXCACHEKEYS']._serialized_end=1526
+  _globals['_LOADREPORT']._serialized_start=1529
+  _globals['_LOADREPORT']._serialized_end=1892
+  _globals['_LORAADAPTER']._serialized_start=1894
+  _globals['_LORAADAPTER']._serialized_end=1960
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1962
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2024
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2026
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2071
+  _globals['_LORAADAPTERLIST']._serialized_start=2073
+  _globals['_LORAADAPTERLIST']._serialized_end=2133
+  _globals['_ENGINE']._serialized_start=2136
+  _globals['_ENGINE']._serialized_end=2576
 # @@protoc_insertion_point(module_scope)

@@ -55,20 +55,22 @@ class KVTransferParams(_message.Message):
     def __init__(self, mode: _Optional[_Union[KVTransferParams.Mode, str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "cache_salt", "kv_transfer")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "cache_salt", "kv_transfer", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     priority: int
     cache_salt: str
     kv_transfer: KVTransferParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "rank")
@@ -151,7 +153,7 @@ class PrefixCacheKeys(_message.Message):
     def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "kv_cache_usage", "num_kv_blocks", "num_free_kv_blocks", "block_size", "matched_prefix_blocks", "serving", "stalled", "prefix_cache", "num_pending_prefill_tokens")
+    __slots__ = ("role", "num_running", "num_waiting", "kv_cache_usage", "num_kv_blocks", "num_free_kv_blocks", "block_size", "matched_prefix_blocks", "serving", "stalled", "prefix_cache", "num_pending_prefill_tokens", "lora_adapters")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +166,7 @@ class LoadReport(_message.Message):
     STALLED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     NUM_PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_waiting: int
@@ -176,4 +179,35 @@ class LoadReport(_message.Message):
     stalled: bool
     prefix_cache: PrefixCacheKeys
     num_pending_prefill_tokens: int
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., matched_prefix_blocks: _Optional[int] = ..., serving: _Optional[bool] = ..., stalled: _Optional[bool] = ..., prefix_cache: _Optional[_Union[PrefixCacheKeys, _Mapping]] = ..., num_pending_prefill_tokens: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., matched_prefix_blocks: _Optional[int] = ..., serving: _Optional[bool] = ..., stalled: _Optional[bool] = ..., prefix_cache: _Optional[_Union[PrefixCacheKeys, _Mapping]] = ..., num_pending_prefill_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "fingerprint", "resident")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    fingerprint: str
+    resident: bool
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., resident: _Optional[bool] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoRAAdapterList(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...

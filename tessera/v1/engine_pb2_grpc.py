@@ -54,6 +54,16 @@ class EngineStub:
                 request_serializer=tessera_dot_v1_dot_engine__pb2.LoadRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_engine__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/tessera.v1.Engine/LoadLoRAAdapter',
+                request_serializer=tessera_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_engine__pb2.LoRAAdapterList.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/tessera.v1.Engine/UnloadLoRAAdapter',
+                request_serializer=tessera_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_engine__pb2.LoRAAdapterList.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -88,6 +98,22 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Register a LoRA adapter under a name at run time (vLLM's /v1/load_lora_adapter);
+        the pod reads and checks it before answering. Needs --enable-lora and a path under
+        one of the pod's --lora-root folders.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Forget a name: new requests on it are refused; requests in flight finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +136,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.StreamLoad,
                     request_deserializer=tessera_dot_v1_dot_engine__pb2.LoadRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_engine__pb2.LoadReport.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=tessera_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_engine__pb2.LoRAAdapterList.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=tessera_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_engine__pb2.LoRAAdapterList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +256,60 @@ class Engine:
             '/tessera.v1.Engine/StreamLoad',
             tessera_dot_v1_dot_engine__pb2.LoadRequest.SerializeToString,
             tessera_dot_v1_dot_engine__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Engine/LoadLoRAAdapter',
+            tessera_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            tessera_dot_v1_dot_engine__pb2.LoRAAdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Engine/UnloadLoRAAdapter',
+            tessera_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            tessera_dot_v1_dot_engine__pb2.LoRAAdapterList.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,8 +9,8 @@ def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="run a benchmark")
     kinds = bench.add_subparsers(dest="bench", required=True)
     from tessera_tools.bench import (
-        cpu_kernels, fuzz, gateway_overhead, grpc_stream, guided, kernels, kv_store, prefix_cache, profile, routing,
-        serve, spec_decode, throughput, tp_memory, tp_overhead,
+        cpu_kernels, fuzz, gateway_overhead, grpc_stream, guided, kernels, kv_store, lora, prefix_cache, profile,
+        routing, serve, spec_decode, throughput, tp_memory, tp_overhead,
     )
 
     throughput.add_parser(kinds)
@@ -25,6 +25,7 @@ def add_bench_parser(sub) -> None:
     kernels.add_parser(kinds)
     guided.add_parser(kinds)
     spec_decode.add_parser(kinds)
+    lora.add_parser(kinds)
     cpu_kernels.add_parser(kinds)
     fuzz.add_parser(kinds)
     profile.add_parser(kinds)

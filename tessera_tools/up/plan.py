@@ -99,6 +99,7 @@ def build_plan(resource: dict, options: LocalOptions, free_port: Callable[[], in
         threads = len(cpu_set) if cpu_set else max(1, len(cpus) // len(replicas))
         args = _local_engine_args(engine_pool.engine_args(owner, spec, role), model_path, grpc_port, metrics_port,
                                   threads)
+        args = _local_lora_args(args, spec, options.models_dir)
         engines.append(EngineChild(f"{role}-{index}", role, grpc_port, metrics_port, args, cpu_set, dict(redis_env)))
     gateway_metrics_port = options.metrics_port or free_port()
     return LocalPlan(owner.name, spec["model"]["name"], engines,
@@ -116,6 +117,21 @@ def _local_engine_args(args: list[str], model_path: Path, grpc_port: int, metric
         if arg in replace:
             out[i + 1] = replace[arg]
     return out + ["--cpu-threads", str(threads)]
+
+
+def _local_lora_args(args: list[str], spec: dict, models_dir: Path) -> list[str]:
+    """The adapters' folders (--lora-modules, --lora-root) where this machine has them: looked up
+    like the model's (a PVC's path under models_dir, a hostPath as it is), not where a pod mounts them."""
+    out = list(args)
+    if spec.get("loras"):
+        start = out.index("--lora-modules") + 1
+        local = [f"{a['name']}={local_model_path(a, models_dir)}" for a in spec["loras"]]
+        out[start : start + len(local)] = local
+    roots = [str(local_model_path(r, models_dir)) for r in (spec["engine"].get("lora") or {}).get("runtimeRoots", [])]
+    positions = [i + 1 for i, arg in enumerate(out[:-1]) if arg == "--lora-root"]
+    for position, root in zip(positions, dict.fromkeys(roots)):
+        out[position] = root
+    return out
 
 
 def _gateway_config(owner: Owner, spec: dict, model_path: Path, engines: list[EngineChild],

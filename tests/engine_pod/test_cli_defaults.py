@@ -19,6 +19,7 @@ from engine_pod.config import (
     create_engine_config,
 )
 from engine_pod.entrypoints.cli_args import add_engine_args, engine_kwargs
+from engine_pod.lora.config import LoRAConfig
 from kv_store.block_hash import DEFAULT_BLOCK_SIZE
 from kv_store.redis_tier import REDIS_URL_ENV
 
@@ -45,7 +46,12 @@ FIELD_OF_KWARG = {
     "kv_redis_ca_file": (KVStoreConfig, "redis_ca_file"),
     "kv_redis_cert_file": (KVStoreConfig, "redis_cert_file"),
     "kv_redis_key_file": (KVStoreConfig, "redis_key_file"),
+    "max_loras": (LoRAConfig, "max_loras"),
+    "max_lora_rank": (LoRAConfig, "max_lora_rank"),
+    "max_cpu_loras": (LoRAConfig, "max_cpu_loras"),
 }
+# Off unless asked: EngineConfig.lora is None without it (no dataclass default to share).
+SWITCHES = {"enable_lora"}
 # Resolved by create_engine_config from the checkpoint and the machine: no field default to share.
 RESOLVED_AT_BUILD = {"dtype", "device", "max_model_len"}
 
@@ -66,7 +72,8 @@ def default_kwargs(monkeypatch) -> dict:
 
 
 def test_every_engine_flag_is_classified(default_kwargs):
-    assert set(default_kwargs) == set(FIELD_OF_KWARG) | RESOLVED_AT_BUILD
+    assert set(default_kwargs) == set(FIELD_OF_KWARG) | RESOLVED_AT_BUILD | SWITCHES
+    assert default_kwargs["enable_lora"] is False
 
 
 @pytest.mark.parametrize("kwarg", sorted(FIELD_OF_KWARG))
@@ -90,3 +97,5 @@ def test_an_engine_built_from_the_default_flags_has_the_default_configs(default_
     assert config.parallel == ParallelConfig()
     assert config.scheduler == SchedulerConfig(max_model_len=config.model.max_model_len)
     assert (config.attention_backend, config.speculative) == (EngineConfig.attention_backend, None)
+    assert config.lora is None
+    assert create_engine_config(tiny_llama, **dict(kwargs, enable_lora=True)).lora == LoRAConfig()

@@ -194,7 +194,8 @@ def test_missing_required_and_bad_header():
 
 
 def test_long_or_odd_names_are_rejected():
-    for name in ("x" * 51, "Upper", "1starts-with-digit"):
+    # "trailing\n": the API server's RE2 `$` is the end of the text, not a final newline (Python's).
+    for name in ("x" * 51, "Upper", "1starts-with-digit", "trailing\n"):
         with pytest.raises(InvalidInferenceService, match="metadata.name"):
             validate_inference_service(make_isvc(name=name))
     validate_inference_service(make_isvc(name="a" * 50))

@@ -15,6 +15,7 @@ from tessera_operator.kube import MANAGED_KINDS
 from tessera_operator.reconcile import desired_objects
 
 from .conftest import CHART, EXAMPLES, load_example, make_isvc
+from .test_loras import LORA_SPEC
 from .test_reconcile import FULL_SPEC
 
 K8S_VERSIONS = ["1.30.0", "1.37.0"]
@@ -33,6 +34,7 @@ def bodies() -> dict[str, dict]:
     cases = {p.name: load_example(p) for p in EXAMPLES}
     cases["minimal"] = make_isvc()
     cases["full"] = make_isvc(FULL_SPEC)
+    cases["loras"] = make_isvc({**LORA_SPEC, "mode": "disaggregated"})
     return cases
 
 

@@ -180,3 +180,18 @@ def test_bad_files_are_refused_naming_the_problem(tmp_path, text, message):
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_adapters_are_read_from_this_machines_folders(tiny_llama, tmp_path):
+    """spec.loras and the run-time roots name folders the way the model does (a PVC's path under
+    --models-dir, or a hostPath): locally the engines get those folders, not the pods' mounts."""
+    resource = _example("local.yaml")
+    resource["spec"]["loras"] = [{"name": "sql", "pvc": {"claimName": "models", "path": "tiny-sql"}},
+                                 {"name": "chat", "hostPath": {"path": str(tmp_path / "chat")}}]
+    resource["spec"]["engine"]["lora"] = {"maxLoras": 2, "runtimeRoots": [{"hostPath": {"path": str(tmp_path)}}]}
+    plan = build_plan(resource, LocalOptions(models_dir=tiny_llama.parent), _ports())
+    args = plan.engines[0].args
+    start = args.index("--lora-modules") + 1
+    assert args[start : start + 2] == [f"sql={(tiny_llama.parent / 'tiny-sql').resolve()}", f"chat={tmp_path / 'chat'}"]
+    assert _engine_flags(args)["--lora-root"] == str(tmp_path)
+    assert [a["name"] for a in plan.gateway_config["model"]["loras"]] == ["sql", "chat"]
