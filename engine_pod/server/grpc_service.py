@@ -18,7 +18,13 @@ from engine_pod.server.async_engine import (
     StreamEnd,
 )
 from engine_pod.server.convert import request_from_proto, response_from_output
-from engine_pod.server.lora_registry import AdapterConflict, AdapterOutsideRoots, LoRADisabled, LoRARegistry
+from engine_pod.server.lora_registry import (
+    AdapterConflict,
+    AdapterOutsideRoots,
+    LoRADisabled,
+    LoRARegistry,
+    TooManyAdapters,
+)
 from engine_pod.server.metrics import EngineMetrics
 from engine_pod.server.prefix_cache_feed import PrefixCacheFeed
 from tessera.tracing import parent_context, tracer
@@ -145,6 +151,8 @@ class EngineService(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except LoRADisabled as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except TooManyAdapters as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         logger.info("LoRA adapter %r loaded from %s", request.lora_name, request.lora_path)

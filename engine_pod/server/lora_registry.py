@@ -36,6 +36,14 @@ class LoRADisabled(ValueError):
     """The pod was started without --enable-lora (FAILED_PRECONDITION)."""
 
 
+class TooManyAdapters(ValueError):
+    """The pod already serves max_adapters names (RESOURCE_EXHAUSTED)."""
+
+
+# Names one pod serves at most: every load report lists them all (the gateway keeps 1,024 a pod).
+MAX_SERVED_ADAPTERS = 1024
+
+
 def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:
     """``NAME=PATH`` items of --lora-modules, checked for form and unique names."""
     modules = []
@@ -56,8 +64,9 @@ def check_name(name: str) -> None:
 
 
 class LoRARegistry:
-    def __init__(self, processor: Processor, roots: list[str]) -> None:
+    def __init__(self, processor: Processor, roots: list[str], max_adapters: int = MAX_SERVED_ADAPTERS) -> None:
         self.processor = processor
+        self.max_adapters = max_adapters
         self.roots = [Path(r).resolve() for r in roots]
         self._lock = threading.Lock()
         self._by_name: dict[str, AdapterSpec] = {}
@@ -78,6 +87,8 @@ class LoRARegistry:
                 if Path(known.path).resolve() == Path(path).resolve():
                     return known
                 raise AdapterConflict(f"lora_name {name!r} is already served from another folder; unload it first")
+            if len(self._by_name) >= self.max_adapters:
+                raise TooManyAdapters(f"this pod already serves {self.max_adapters} adapters; unload one first")
             spec = self.processor.process_lora(LoRARequest(name, next(self._ids), path))
             self._by_name[name] = spec
             return spec
