@@ -32,7 +32,19 @@ from torch import nn
 
 from engine_pod.lora.adapter import AdapterWeights
 from engine_pod.lora.config import LoRAConfig
-from engine_pod.lora.punica import LoRAMapping, build_mapping, expand_into, select_rows, shrink
+from engine_pod.lora.punica import (
+    LoRAMapping,
+    add_by_rows,
+    build_mapping,
+    expand_into,
+    rows_kernel_available,
+    select_rows,
+    shrink,
+)
+
+# Steps of at most this many rows run the row kernel (punica.add_by_rows) where it is loaded: there
+# each oneDNN call of the two-GEMM path costs 30-60 us whatever its size; above it the GEMMs win.
+ROWS_KERNEL_MAX_ROWS = 64
 
 # A merged GEMM's shard names and the checkpoint projections they hold (parallel_layers.OutputShard.name).
 _SHARD_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "gate": "gate_proj", "up": "up_proj"}
@@ -49,6 +61,8 @@ class LoRAContext:
         self.device = device
         # Triton's kernels (triton_ops.py) rather than torch's GEMMs.
         self.use_triton = use_triton
+        # The cpu backend's row kernel for steps of few rows.
+        self.use_rows_kernel = device.type == "cpu" and not use_triton and rows_kernel_available(dtype)
         self.ranks = [0] * self.num_slots
         self.scalings = torch.zeros(self.num_slots, dtype=torch.float32, device=device)
         # Set per step by set_mapping: every row of the batch, and the rows that sample.
@@ -89,7 +103,7 @@ class _Projection:
     b_rows: slice  # the rows of the adapter's B this rank holds
     a_columns: slice  # the columns of the adapter's A this rank holds
     lora_a: torch.Tensor  # [slots, max_rank, in (this rank's)]
-    lora_b: torch.Tensor  # CPU: B * scaling as [out, slots, max_rank]; Triton: B as [slots, out, max_rank]
+    lora_b: torch.Tensor  # CPU: (B * scaling)^T as [slots, max_rank, out]; Triton: B as [slots, out, max_rank]
 
 
 class LinearLoRA(nn.Module):
@@ -107,7 +121,7 @@ class LinearLoRA(nn.Module):
         self.a_stacked = _zeros(ctx, n, s, r, in_features)
         self.projections = [
             _Projection(module, offset, size, b_rows, a_columns, self.a_stacked[i],
-                        _zeros(ctx, s, size, r) if ctx.use_triton else _zeros(ctx, size, s, r))
+                        _zeros(ctx, s, size, r) if ctx.use_triton else _zeros(ctx, s, r, size))
             for i, (module, offset, size, b_rows) in enumerate(outputs)
         ]
 
@@ -122,6 +136,10 @@ class LinearLoRA(nn.Module):
             for p in self.projections:
                 add_lora_triton(self._columns(out, p), x, p.lora_a, p.lora_b, mapping.token_slots,
                                 self.ctx.scalings, groups=mapping.triton_groups)
+            return
+        if self.ctx.use_rows_kernel and x.shape[0] <= ROWS_KERNEL_MAX_ROWS:
+            for p in self.projections:
+                add_by_rows(self._columns(out, p), x, p.lora_a, p.lora_b, mapping, self.ctx.ranks)
             return
         rank = self.ctx.ranks[mapping.single_slot] if mapping.single_slot is not None else self.ctx.max_rank
         shrunk = shrink(x, self.a_stacked, mapping, rank)
@@ -138,15 +156,16 @@ class LinearLoRA(nn.Module):
         rank, scaling = weights.spec.rank, weights.spec.scaling
         for p in self.projections:
             factors = weights.factors.get((self.layer_index, p.module))
-            b_slot = p.lora_b[slot] if self.ctx.use_triton else p.lora_b[:, slot]
             p.lora_a[slot].zero_()
-            b_slot.zero_()
+            p.lora_b[slot].zero_()
             if factors is None:
                 continue
             a, b = factors
             p.lora_a[slot, :rank].copy_(a[:, p.a_columns])
-            # Triton scales as PEFT does, after the products; the CPU path's B carries its scaling.
-            b_slot[:, :rank].copy_(b[p.b_rows] if self.ctx.use_triton else b[p.b_rows] * scaling)
+            if self.ctx.use_triton:  # scaled as PEFT does, after the products
+                p.lora_b[slot, :, :rank].copy_(b[p.b_rows])
+            else:  # the CPU path's B carries its scaling
+                p.lora_b[slot, :rank].copy_((b[p.b_rows] * scaling).T)
 
 
 def _column_parallel(ctx: LoRAContext, layer_index: int, linear: nn.Module, in_features: int) -> LinearLoRA:

@@ -96,14 +96,26 @@ def shrink(x: torch.Tensor, a_stacked: torch.Tensor, mapping: LoRAMapping, rank:
     return shrunk.mul_(mapping.column_mask[:, None, :])
 
 
-def expand_into(out: torch.Tensor, shrunk: torch.Tensor, b_scaled: torch.Tensor, mapping: LoRAMapping) -> None:
+def expand_into(out: torch.Tensor, shrunk: torch.Tensor, b_t: torch.Tensor, mapping: LoRAMapping) -> None:
     """out += shrunk @ B^T for one projection: ``shrunk`` [T, k] from ``shrink``,
-    ``b_scaled`` [out, slots, max_rank] (each slot's B times its scaling);
+    ``b_t`` [slots, max_rank, out] (each slot's B times its scaling, transposed);
     ``out`` may be a column slice of a wider output (q of a merged q/k/v)."""
     if mapping.single_slot is not None:
-        b = b_scaled[:, mapping.single_slot, : shrunk.shape[1]]
+        b = b_t[mapping.single_slot, : shrunk.shape[1]]
     else:
-        b = b_scaled.view(b_scaled.shape[0], -1)
+        b = b_t.view(-1, b_t.shape[-1])
     # In place, in one pass: oneDNN accumulates the product onto out and rounds once, where
-    # out.add_(shrunk @ b.T) wrote and re-read a [T, out] temporary (3x slower at 2,048 rows).
-    out.addmm_(shrunk, b.T)
+    # out.add_(shrunk @ b) wrote and re-read a [T, out] temporary (3x slower at 2,048 rows).
+    out.addmm_(shrunk, b)
+
+
+def rows_kernel_available(dtype: torch.dtype) -> bool:
+    """The cpu backend's row kernel (attention/cpu_ops/lora_rows.cpp) is loaded and takes ``dtype``."""
+    return dtype in (torch.float32, torch.bfloat16) and hasattr(torch.ops.tessera_cpu, "lora_rows")
+
+
+def add_by_rows(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, b_t: torch.Tensor, mapping: LoRAMapping,
+                ranks: list[int]) -> None:
+    """The same update row by row, each row with its own slot's factors only: one call per
+    projection, for steps of few rows (ROWS_KERNEL_MAX_ROWS in layers.py)."""
+    torch.ops.tessera_cpu.lora_rows(x, lora_a, b_t, mapping.token_slots, ranks, out)

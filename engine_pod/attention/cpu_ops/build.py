@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
-    "paged_decode.cpp", "prefill_attention.cpp", "fused_layers.cpp", "linear_f32.cpp",
+    "paged_decode.cpp", "prefill_attention.cpp", "fused_layers.cpp", "linear_f32.cpp", "lora_rows.cpp",
 ))
 # Included by the sources: part of the build's name, so a change rebuilds.
 HEADERS = (Path(__file__).with_name("bf16_bits.h"),)
