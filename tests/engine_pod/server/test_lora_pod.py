@@ -120,3 +120,46 @@ def test_a_pod_without_enable_lora(pod, tiny_llama_loras):
         stub_call(pod, "LoadLoRAAdapter", pb.LoadLoRAAdapterRequest(lora_name="a", lora_path=str(tiny_llama_loras[0])))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert not load(pod.address).lora_adapters
+
+
+def test_prefill_and_decode_pods_on_an_adapter(tiny_llama, tiny_llama_loras, redis_server, tmp_path):
+    """P/D on an adapter: the prefill pod computes the prompt's KV with the adapter and the decode
+    pod reads it from Redis under the adapter's own block hashes; the tokens are the offline
+    engine's on that adapter. The same prompt on the base model then finds no block there."""
+    import random
+
+    from tests.engine_pod.server.client import collect, pod_aio_channel
+
+    prompt = [random.Random(5).randrange(5, 6000) for _ in range(100)]
+    lora_args = ["--cpu-threads", "1", "--enable-lora", "--max-lora-rank", "16",
+                 "--lora-modules", f"a0={tiny_llama_loras[0]}", "--kv-redis-url", redis_server.url]
+    with LLM(str(tiny_llama), dtype="float64", max_model_len=256, kv_cache_memory_bytes=32 << 20,
+             enable_lora=True, max_lora_rank=16) as llm:
+        want = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=8),
+                            lora_request=LoRARequest("a0", 1, str(tiny_llama_loras[0])))[0].outputs[0].token_ids
+    with EnginePodProcess(tiny_llama, [*POD_ARGS, *lora_args, "--role", "prefill"],
+                          log_path=tmp_path / "p.log") as prefill, \
+         EnginePodProcess(tiny_llama, [*POD_ARGS, *lora_args, "--role", "decode"],
+                          log_path=tmp_path / "d.log") as decode:
+        prefill.wait_serving()
+        decode.wait_serving()
+
+        async def run(lora_name: str):
+            async with pod_aio_channel(prefill.address) as pch, pod_aio_channel(decode.address) as dch:
+                produce, consume = greedy(prompt, 8), greedy(prompt, 8)
+                for request in (produce, consume):
+                    request.lora_name = lora_name
+                produce.kv_transfer.mode = pb.KVTransferParams.MODE_PRODUCE
+                consume.kv_transfer.mode = pb.KVTransferParams.MODE_CONSUME
+                first, _ = await collect(pb_grpc.EngineStub(pch), produce) if lora_name else ([], "")
+                tokens, cached = [], 0
+                async for resp in pb_grpc.EngineStub(dch).Generate(consume):
+                    tokens += resp.token_ids
+                    cached = max(cached, resp.num_cached_tokens)
+                return first, tokens, cached
+
+        first, tokens, cached = asyncio.run(run("a0"))
+        assert tokens == want and first == want[:1]
+        assert cached == 96  # every full block of the prompt came from Redis
+        _, _, base_cached = asyncio.run(run(""))
+        assert base_cached == 0
