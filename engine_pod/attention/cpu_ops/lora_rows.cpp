@@ -8,14 +8,20 @@
 // calls; a decode step of 32 rows on the bench model then spends a third of
 // its time in them. Here one call per projection reads only the row's own
 // slot, in float, and rounds once into out: the shrink row by row, the expand
-// by blocks of output columns over every row.
+// by blocks of output columns over every row. With AVX-512 BF16 (bf16
+// models) both run as dot products of bf16 pairs (lora_rows_bf16).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "bf16_bits.h"
 
@@ -104,6 +110,118 @@ void lora_rows_impl(const at::Tensor& x, const at::Tensor& a, const at::Tensor& 
   });
 }
 
+#if defined(__AVX512BF16__)
+// bf16 on AVX-512 BF16: the shrink as dot products of bf16 pairs (32 inputs an instruction), the
+// expand over pairs of ranks (the row's two shrunk values, rounded to bf16 as a bf16 GEMM rounds
+// its output, against two rows of B interleaved per column), 32 output columns at a time in two
+// accumulators whose lanes hold columns {8L + j} and {8L + 4 + j} (the in-lane order of
+// unpacklo/hi_epi16; out is loaded and stored in the same order). Columns past the last 32 and
+// inputs past the last 32 take the plain loops. Needs an even max_rank (a slot's padding is zero).
+void lora_rows_bf16(const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt, const at::Tensor& slots,
+                    const std::vector<int64_t>& ranks, at::Tensor& out) {
+  using bf16 = c10::BFloat16;
+  const int64_t rows = x.size(0), in = x.size(1), num_slots = a.size(0), max_rank = a.size(1), cols = bt.size(2);
+  const int64_t x_stride = x.stride(0), out_stride = out.stride(0), pairs = max_rank / 2;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<bf16>());
+  const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<bf16>());
+  const uint16_t* bp = reinterpret_cast<const uint16_t*>(bt.data_ptr<bf16>());
+  const int32_t* sp = slots.data_ptr<int32_t>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<bf16>());
+  auto rank_of = [&](int64_t t) -> int64_t {
+    const int64_t s = sp[t];
+    return s < 0 || s >= num_slots ? 0 : ranks[s];
+  };
+  const int64_t in_vec = in / 32 * 32, cols_vec = cols / 32 * 32;
+  std::vector<float> shrunk(rows * max_rank, 0.f);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t rank = rank_of(t);
+      const uint16_t* xr = xp + t * x_stride;
+      for (int64_t r = 0; r < rank; ++r) {
+        const uint16_t* ar = ap + (sp[t] * max_rank + r) * in;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t k = 0; k < in_vec; k += 32) {
+          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(xr + k), (__m512bh)_mm512_loadu_si512(ar + k));
+        }
+        float sum = _mm512_reduce_add_ps(acc);
+        for (int64_t k = in_vec; k < in; ++k) {
+          sum += bits_float(static_cast<uint32_t>(xr[k]) << 16) * bits_float(static_cast<uint32_t>(ar[k]) << 16);
+        }
+        shrunk[t * max_rank + r] = sum;
+      }
+    }
+  });
+  // Each row's shrunk values as bf16 pairs (rank r in the low half, r + 1 in the high half).
+  std::vector<int32_t> weights(rows * pairs);
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t q = 0; q < pairs; ++q) {
+      const uint32_t lo = to_bf16_bits(shrunk[t * max_rank + 2 * q]);
+      const uint32_t hi = to_bf16_bits(shrunk[t * max_rank + 2 * q + 1]);
+      weights[t * pairs + q] = static_cast<int32_t>(lo | (hi << 16));
+    }
+  }
+  const int64_t chunks = cols_vec / 32;
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> b_pairs(num_slots * pairs * 2);
+    const __m512i zero = _mm512_setzero_si512(), round = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      const int64_t c0 = chunk * 32;
+      for (int64_t s = 0; s < num_slots; ++s) {
+        for (int64_t q = 0; q < pairs; ++q) {
+          const uint16_t* b0 = bp + (s * max_rank + 2 * q) * cols + c0;
+          const uint16_t* b1 = b0 + cols;
+          // B's rows are a row of B^T apart (cols * 2 bytes): 2 * slots * pairs streams the hardware
+          // prefetcher does not follow, so the next chunk's lines are asked for by hand.
+          if (chunk + 1 < end) {
+            _mm_prefetch(reinterpret_cast<const char*>(b0 + 32), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(b1 + 32), _MM_HINT_T0);
+          }
+          const __m512i r0 = _mm512_loadu_si512(b0);
+          const __m512i r1 = _mm512_loadu_si512(b1);
+          b_pairs[(s * pairs + q) * 2] = _mm512_unpacklo_epi16(r0, r1);
+          b_pairs[(s * pairs + q) * 2 + 1] = _mm512_unpackhi_epi16(r0, r1);
+        }
+      }
+      for (int64_t t = 0; t < rows; ++t) {
+        const int64_t rank = rank_of(t);
+        if (rank == 0) continue;
+        uint16_t* o = op + t * out_stride + c0;
+        const __m512i o_bits = _mm512_loadu_si512(o);
+        __m512 lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, o_bits));
+        __m512 hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, o_bits));
+        const __m512i* b = b_pairs.data() + sp[t] * pairs * 2;
+        for (int64_t q = 0; q < (rank + 1) / 2; ++q) {
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(weights[t * pairs + q]);
+          lo = _mm512_dpbf16_ps(lo, w, (__m512bh)b[2 * q]);
+          hi = _mm512_dpbf16_ps(hi, w, (__m512bh)b[2 * q + 1]);
+        }
+        // Round to nearest even bf16 and pack back into column order (in-lane, as unpacked).
+        auto rounded = [&](__m512 v) {
+          const __m512i u = _mm512_castps_si512(v);
+          const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+          return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(round, odd)), 16);
+        };
+        _mm512_storeu_si512(o, _mm512_packus_epi32(rounded(lo), rounded(hi)));
+      }
+    }
+  });
+  // The last cols % 32 columns, plainly.
+  if (cols_vec < cols) {
+    for (int64_t t = 0; t < rows; ++t) {
+      const int64_t rank = rank_of(t);
+      for (int64_t c = cols_vec; c < cols; ++c) {
+        uint16_t* o = op + t * out_stride + c;
+        float acc = bits_float(static_cast<uint32_t>(*o) << 16);
+        for (int64_t r = 0; r < rank; ++r) {
+          acc += shrunk[t * max_rank + r] * bits_float(static_cast<uint32_t>(bp[(sp[t] * max_rank + r) * cols + c]) << 16);
+        }
+        *o = to_bf16_bits(acc);
+      }
+    }
+  }
+}
+#endif
+
 // x [T, in], a [slots, max_rank, in], bt [slots, max_rank, cols] (B times its
 // scaling, transposed), slots [T] int32, ranks per slot; out [T, cols] with
 // unit column stride (a column slice of a merged layer's output is fine).
@@ -125,6 +243,12 @@ void lora_rows(const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt, c
   if (x.scalar_type() == at::kFloat) {
     lora_rows_impl<float>(x, a, bt, slots, slot_ranks, out);
   } else if (x.scalar_type() == at::kBFloat16) {
+#if defined(__AVX512BF16__)
+    if (a.size(1) % 2 == 0) {
+      lora_rows_bf16(x, a, bt, slots, slot_ranks, out);
+      return;
+    }
+#endif
     lora_rows_impl<c10::BFloat16>(x, a, bt, slots, slot_ranks, out);
   } else {
     TORCH_CHECK(false, "lora_rows: float32 or bfloat16 only");
