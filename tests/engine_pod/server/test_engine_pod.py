@@ -120,7 +120,9 @@ def test_cancellations_log_no_error(pod):
             task.cancel()
             await until_running(0)
             with pytest.raises(grpc.aio.AioRpcError):
-                await consume(stub, timeout=0.5)
+                # A deadline mid-stream: 200 tokens take well over 0.2 s (a fast host streamed all
+                # of them within 0.5 s once, and the call ended without an error).
+                await consume(stub, timeout=0.2)
             await until_running(0)
         channel = grpc.aio.insecure_channel(pod.address)
         task = asyncio.create_task(consume(pb_grpc.EngineStub(channel)))
