@@ -53,8 +53,8 @@ class LoRASlotTable:
     def assign(self, scheduled: Iterable[Request]) -> tuple[dict[str, int], dict[int, int]]:
         """Slots for the adapters of this step's ``scheduled`` requests:
         (request id -> slot, slot -> adapter id to write into it first)."""
-        scheduled = [r for r in scheduled if r.lora is not None]
-        needed = {r.lora.lora_int_id for r in scheduled if r.lora is not None}
+        on_adapters = [(r.request_id, r.lora.lora_int_id) for r in scheduled if r.lora is not None]
+        needed = {lora_id for _, lora_id in on_adapters}
         loads: dict[int, int] = {}
         for lora_id in sorted(needed):
             if lora_id in self._slots:
@@ -63,8 +63,7 @@ class LoRASlotTable:
             slot = self._free_slot(needed)
             self._slots[lora_id] = slot
             loads[slot] = lora_id
-        mapping = {r.request_id: self._slots[r.lora.lora_int_id] for r in scheduled if r.lora is not None}
-        return mapping, loads
+        return {req_id: self._slots[lora_id] for req_id, lora_id in on_adapters}, loads
 
     def _free_slot(self, needed: set[int]) -> int:
         taken = set(self._slots.values())

@@ -85,7 +85,7 @@ class Scheduler:
         # Requests whose grammar is compiling, outside the waiting queue.
         self.waiting_for_fsm: list[Request] = []
         # Requests whose grammar or adapter failed to load: reported by the next update.
-        self._failed_grammars: list[Request] = []
+        self._failed_to_start: list[Request] = []
         self.adapters = adapters
         self.lora_slots = LoRASlotTable(max_loras) if adapters is not None else None
         # Requests whose adapter is being read into host memory, outside the waiting queue.
@@ -181,7 +181,7 @@ class Scheduler:
                 logger.error("request %s: %s", request.request_id, e)
                 request.status = RequestStatus.FINISHED_ABORTED
                 self._free_request(request)
-                self._failed_grammars.append(request)
+                self._failed_to_start.append(request)
                 continue
             if not ready:
                 still_loading.append(request)
@@ -204,7 +204,7 @@ class Scheduler:
                 logger.exception("request %s: grammar compilation failed", request.request_id)
                 request.status = RequestStatus.FINISHED_ABORTED
                 self._free_request(request)
-                self._failed_grammars.append(request)
+                self._failed_to_start.append(request)
                 continue
             if ready:
                 request.status = RequestStatus.WAITING
@@ -402,8 +402,8 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        outputs = [EngineCoreOutput(r.request_id, [], finish_reason="abort") for r in self._failed_grammars]
-        self._failed_grammars = []
+        outputs = [EngineCoreOutput(r.request_id, [], finish_reason="abort") for r in self._failed_to_start]
+        self._failed_to_start = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             sampled = runner_output.sampled_token_ids.get(req_id)

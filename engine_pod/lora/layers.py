@@ -84,7 +84,10 @@ class LoRAContext:
                 self._all_rows, selected)
 
     def _build(self, token_slots: np.ndarray) -> LoRAMapping | None:
-        return build_mapping(token_slots, self.num_slots, self.max_rank, self.dtype, self.device, self.use_triton)
+        # Steps the row kernel takes never read the mask: it is not built for them.
+        with_mask = not self.use_rows_kernel or token_slots.size > ROWS_KERNEL_MAX_ROWS
+        return build_mapping(token_slots, self.num_slots, self.max_rank, self.dtype, self.device, self.use_triton,
+                             with_mask)
 
     def mapping_for(self, num_rows: int) -> LoRAMapping | None:
         """The mapping of an input of ``num_rows`` rows: the whole batch, or at

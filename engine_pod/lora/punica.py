@@ -53,11 +53,12 @@ class LoRAMapping:
 
 def build_mapping(
     token_slots: np.ndarray, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device,
-    use_triton: bool = False,
+    use_triton: bool = False, with_mask: bool = True,
 ) -> LoRAMapping | None:
     """The mapping of a batch whose row i runs on ``token_slots[i]``; None
     when no row runs on an adapter (the step adds nothing). Built once a
-    step and read by every projection."""
+    step and read by every projection. ``with_mask``: a mixed step will run
+    the two-GEMM path (the row kernel needs no column mask)."""
     used = np.unique(token_slots)
     if used.size == 1 and used[0] == NO_SLOT:
         return None
@@ -67,7 +68,7 @@ def build_mapping(
         from engine_pod.lora.triton_ops import group_tokens_by_slot
 
         mapping.triton_groups = group_tokens_by_slot(slots, num_slots)
-    elif mapping.single_slot is None:
+    elif mapping.single_slot is None and with_mask:
         columns = np.zeros((token_slots.size, num_slots, max_rank), dtype=np.float32)
         rows = np.flatnonzero(token_slots != NO_SLOT)
         columns[rows, token_slots[rows]] = 1.0
