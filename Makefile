@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TINY   := models/tiny
 
-.PHONY: venv run test lint proto bench-models bench-model-1b vllm-venv clean
+.PHONY: venv run test lint system-deps proto bench-models bench-model-1b vllm-venv clean
 
 # torch first, pinned: it takes the local CPU wheel; a looser pin pulls a CUDA build.
 # Then the test extra, which pulls the engine and tools extras: every layer, for the suite
@@ -37,6 +37,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
+
+# Debian packages the tests use when present (they skip with a reason otherwise): prometheus and
+# promtool, for the metrics lint and the dashboards' PromQL checked against a real Prometheus.
+# redis-server is on the machine already. .ci/run calls this; needs root (or sudo).
+APT_GET := $(shell [ "$$(id -u)" = 0 ] && echo apt-get || echo sudo apt-get)
+system-deps:
+	command -v promtool >/dev/null && command -v prometheus >/dev/null || \
+	  $(APT_GET) install -y -q --no-install-recommends prometheus || \
+	  ($(APT_GET) update -q && $(APT_GET) install -y -q --no-install-recommends prometheus)
 
 # Regenerate the gRPC/protobuf stubs (their one home is tessera/v1) from proto/.
 proto: $(STAMP)

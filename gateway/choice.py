@@ -27,6 +27,10 @@ class ChoiceState:
         self.holdback = max((len(s) for s in options.stop), default=1) - 1
         self.num_sent_chars = 0
         self.want_logprobs = options.logprobs is not None
+        # Where each output token's text starts in the choice's text (completions' logprobs
+        # text_offset): from the same incremental decoding that builds the text, so a token that
+        # decodes to nothing yet (a byte of an unfinished UTF-8 character) starts where the next does.
+        self.text_offsets: list[int] = []
         self.num_tokens = 0
         self.num_cached_tokens: int | None = None
         self.finished = False
@@ -36,7 +40,7 @@ class ChoiceState:
         engine finished or a stop string matched (the caller then cancels)."""
         if self.num_cached_tokens is None:
             self.num_cached_tokens = resp.num_cached_tokens
-        stop_str = self.detokenizer.update(resp.token_ids)
+        stop_str = self._decode(resp.token_ids)
         self.num_tokens += len(resp.token_ids)
         update = ChoiceUpdate(self.index, "", list(resp.token_ids))
         if self.want_logprobs:
@@ -49,6 +53,19 @@ class ChoiceState:
         self.finished = update.finish_reason is not None
         update.text = self._next_text()
         return update
+
+    def _decode(self, token_ids) -> str | None:
+        """Decode new tokens one at a time, noting where each starts; the stop string that
+        ended the text, if one did (tokens past it start at the text's end)."""
+        for i, token_id in enumerate(token_ids):
+            self.text_offsets.append(len(self.detokenizer.output_text))
+            stop_str = self.detokenizer.update((token_id,))
+            if stop_str is not None:
+                end = len(self.detokenizer.output_text)  # cut at the stop string: clamp what now lies past it
+                self.text_offsets = [min(o, end) for o in self.text_offsets]
+                self.text_offsets.extend([end] * (len(token_ids) - i - 1))
+                return stop_str
+        return None
 
     def _next_text(self) -> str:
         text = self.detokenizer.output_text

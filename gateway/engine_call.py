@@ -9,14 +9,25 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import grpc
+from opentelemetry.trace import SpanKind
 
 from gateway.errors import GatewayError, StreamBroken, engine_refused, model_not_found, unavailable
 from gateway.pods import Pod, PodPool
 from gateway.pods.deadline import NoProgress, ProgressDeadline
-from tessera.tracing import inject_metadata, tracer
+from tessera.tracing import (
+    GEN_AI_RESPONSE_FINISH_REASONS,
+    GEN_AI_USAGE_INPUT_TOKENS,
+    GEN_AI_USAGE_OUTPUT_TOKENS,
+    end_rpc_span,
+    inject_metadata,
+    start_rpc_span,
+    tracer,
+)
 from tessera.v1 import engine_pb2 as epb
 
 logger = logging.getLogger(__name__)
+_tracer = tracer("tessera.gateway")
+GENERATE = "tessera.v1.Engine/Generate"
 
 # The engine refused the request itself: retrying elsewhere cannot help.
 _CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
@@ -103,24 +114,34 @@ async def stream_choice(
             attempt += 1
             on_attempt(pod, attempt)
             started = False
-            call = span = None
+            call = None
+            # Not made current: an async generator may be closed from another
+            # task, where the context it attached could not be detached.
+            span = start_rpc_span(_tracer, GENERATE, SpanKind.CLIENT)
+            span.set_attributes({"tessera.pod": pod.address, "tessera.attempt": attempt,
+                                 GEN_AI_USAGE_INPUT_TOKENS: len(request.prompt_token_ids)})
+            # CANCELLED unless the call ends otherwise: the consumer stopped early.
+            code, details, num_output_tokens = grpc.StatusCode.CANCELLED, "", 0
             deadline = ProgressDeadline(pool.router_config.stream_idle_timeout_s, "response from the engine pod",
                                         pool.loop_lag)
             pod.calls.add(deadline)
             try:
-                # Not made current: an async generator may be closed from another
-                # task, where the context it attached could not be detached.
-                span = tracer("tessera.gateway").start_span("gateway.engine_call")
-                span.set_attribute("tessera.pod", pod.address)
-                span.set_attribute("tessera.attempt", attempt)
                 call = pod.stub.Generate(request, metadata=inject_metadata(list(metadata), span))
                 while (response := await deadline.read(call)) is not grpc.aio.EOF:
-                    started = True
+                    if not started:
+                        started = True
+                        span.add_event("first_token")
+                    num_output_tokens += len(response.token_ids)
+                    if response.finish_reason:
+                        code = grpc.StatusCode.OK
+                        span.set_attribute(GEN_AI_RESPONSE_FINISH_REASONS, [response.finish_reason])
                     yield response
                     if response.finish_reason:
                         return
-                raise StreamBroken("engine stream ended without a finish reason")
+                code, details = grpc.StatusCode.INTERNAL, "engine stream ended without a finish reason"
+                raise StreamBroken(details)
             except NoProgress as e:
+                code, details = grpc.StatusCode.DEADLINE_EXCEEDED, str(e)
                 last_error = unavailable(str(e), "engine_stalled")
                 if started:
                     raise StreamBroken(last_error.message) from None
@@ -128,6 +149,7 @@ async def stream_choice(
                 logger.warning("request %s: %s made no progress before its first token (%s); %s", request.request_id,
                                pod.address, e, "retrying" if budget.left else "giving up")
             except grpc.aio.AioRpcError as e:
+                code, details = e.code(), e.details() or ""
                 last_error = _engine_error(e)
                 if e.code() == grpc.StatusCode.NOT_FOUND and request.lora_name:
                     # The pod does not serve the adapter (unloaded since its report, or never: no
@@ -151,8 +173,9 @@ async def stream_choice(
                 # cancelled call aborts the request on the pod, freeing its KV.
                 if call is not None and not call.done():
                     call.cancel()
-                if span is not None:
-                    span.end()
+                span.set_attribute(GEN_AI_USAGE_OUTPUT_TOKENS, num_output_tokens)
+                # A consumer that stopped (a stop string, a disconnect) is no failure of the call.
+                end_rpc_span(span, code, details, failed=None if code != grpc.StatusCode.CANCELLED else False)
     raise last_error or unavailable("no engine pod is available", "no_engine_pod")
 
 

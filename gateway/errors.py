@@ -8,7 +8,7 @@ unexpected exception becomes a 500 / INTERNAL with no internals leaked.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import ceil
 
 import grpc
@@ -26,6 +26,9 @@ class GatewayError(Exception):
     param: str | None = None
     # Seconds, for Retry-After (REST) and `retry-after` trailing metadata (gRPC).
     retry_after: float | None = None
+    # Set once the refusal is in the metrics (gateway/rejections.py): whoever sees it next
+    # (the pipeline, then the front end) counts it only if not.
+    counted: bool = field(default=False, repr=False, compare=False)
 
     def __str__(self) -> str:
         return self.message

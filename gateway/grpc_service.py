@@ -7,19 +7,23 @@ failure mid-call (the engine, or a bug) aborts with UNAVAILABLE or INTERNAL.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 
 import grpc
 from google.protobuf.message import DecodeError
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from gateway.errors import GatewayError, bad_request, client_error
+from gateway.rejections import count_rejection
 from gateway.request import ChoiceUpdate, GenerationRequest, SamplingOptions, Usage
 from gateway.response_stream import ResponseStream
 from gateway.serving import Gateway
 from gateway.structured_output import checked
 from tessera.structured_output import params_from_proto
-from tessera.tracing import parent_context, tracer
+from tessera.tracing import end_rpc_span, parent_context, server_call_code, start_rpc_span, tracer
 from tessera.v1 import inference_pb2 as pb
 from tessera.v1 import inference_pb2_grpc as pb_grpc
 
@@ -134,6 +138,24 @@ def _authorization(context) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _server_span(context, method: str) -> Iterator[None]:
+    """The call's SERVER span, current inside (the pipeline's spans are its
+    children), joined to the caller's W3C context; it ends with the call's
+    status code."""
+    span = start_rpc_span(_tracer, f"{SERVICE.full_name}/{method}", SpanKind.SERVER,
+                          parent_context(context.invocation_metadata()))
+    error = None
+    try:
+        with trace.use_span(span, record_exception=False, set_status_on_exception=False):
+            yield
+    except BaseException as e:  # an abort, the caller gone, a bug: each gets its code
+        error = e
+        raise
+    finally:
+        end_rpc_span(span, server_call_code(context, error), context.details() or "")
+
+
 async def _abort(context, e: GatewayError):
     """End the call with the error's code (raises, as context.abort does)."""
     if e.retry_after is not None:
@@ -148,16 +170,18 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def _open(self, build, msg, context, endpoint: str) -> ResponseStream:
         """The request's stream, or the call aborted. The key is checked
         before the message is (401 before 400, as on REST)."""
+        tenant = None
         try:
-            tenant = self.gateway.authenticate(_authorization(context))
+            tenant = self.gateway.authenticate(_authorization(context), endpoint)
             return await self.gateway.open_stream(build(_decoded(msg)), tenant, endpoint)
         except Exception as e:  # not the abort below: it is raised outside this `try`
             error = client_error(e, "before the first token")
+        # What the pipeline did not count (a message that does not parse, a bad field): once, here.
+        count_rejection(self.gateway.metrics, error, (tenant.name if tenant else "", ""), endpoint)
         await _abort(context, error)
 
     async def _stream(self, build, msg, context, endpoint: str):
-        with _tracer.start_as_current_span(f"Inference/{endpoint}", kind=SpanKind.SERVER,
-                                           context=parent_context(context.invocation_metadata())):
+        with _server_span(context, endpoint):
             stream = await self._open(build, msg, context, endpoint)
             error = None
             try:
@@ -170,8 +194,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             yield pb.CompletionChunk(id=stream.id, model=msg.model, usage=_usage(stream.usage))
 
     async def _unary(self, build, msg, context, endpoint: str) -> pb.CompletionResult:
-        with _tracer.start_as_current_span(f"Inference/{endpoint}", kind=SpanKind.SERVER,
-                                           context=parent_context(context.invocation_metadata())):
+        with _server_span(context, endpoint):
             stream = await self._open(build, msg, context, endpoint)
             try:
                 choices = await stream.collect()
@@ -205,13 +228,15 @@ class InferenceService(pb_grpc.InferenceServicer):
         return await self._unary(_chat_request, request, context, "ChatUnary")
 
     async def ListModels(self, request, context):
-        try:
-            tenant = self.gateway.authenticate(_authorization(context))
-            _decoded(request)
-        except GatewayError as e:
-            await _abort(context, e)
-        # The base model and its LoRA adapters the key may use, as REST's /v1/models lists them
-        # (ModelInfo has no `parent` field: the base model comes first).
-        max_len = self.gateway.model.max_model_len
-        return pb.ListModelsResponse(models=[pb.ModelInfo(id=e.id, max_model_len=max_len, owned_by="tessera")
-                                             for e in self.gateway.catalog.visible(tenant)])
+        with _server_span(context, "ListModels"):
+            try:
+                tenant = self.gateway.authenticate(_authorization(context), "ListModels")
+                _decoded(request)
+            except GatewayError as e:
+                count_rejection(self.gateway.metrics, e, ("", ""), "ListModels")
+                await _abort(context, e)
+            # The base model and its LoRA adapters the key may use, as REST's /v1/models lists them
+            # (ModelInfo has no `parent` field: the base model comes first).
+            max_len = self.gateway.model.max_model_len
+            return pb.ListModelsResponse(models=[pb.ModelInfo(id=e.id, max_model_len=max_len, owned_by="tessera")
+                                                 for e in self.gateway.catalog.visible(tenant)])

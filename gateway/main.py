@@ -19,7 +19,6 @@ import signal
 import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from gateway.config import GatewayConfig, GatewayConfigError, InternalConfig, load_gateway_config
@@ -33,6 +32,7 @@ from gateway.serving import Gateway
 from gateway.tenants import TenantRegistry
 from tessera.internal_channel import InternalClient
 from tessera.internal_secret import InternalSecret, InternalSecretError
+from tessera.reflection import enable_server_reflection
 from tessera.tracing import configure_tracing
 from tessera.v1 import inference_pb2
 
@@ -115,7 +115,7 @@ async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
     health_servicer = health.aio.HealthServicer()
     add_inference_service(InferenceService(gateway), grpc_server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server)
+    enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), grpc_server)  # v1 and v1alpha
     address = f"{config.server.host}:{config.server.grpc_port}"
     if grpc_server.add_insecure_port(address) == 0:
         raise OSError(f"gRPC: cannot listen on {address}")

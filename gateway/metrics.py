@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tessera.metrics_registry import component_registry
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 # How a router's prefix query (Engine.GetLoad) ended: gateway/router.py.
@@ -26,31 +28,31 @@ class RequestMetrics:
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = r = registry or CollectorRegistry()
+        self.registry = r = registry or component_registry()
         who = ["tenant", "priority_class"]
-        self.requests = Counter("tessera:gateway_requests", "Requests by outcome (ok, error, cancelled, rejected)",
+        self.requests = Counter("tessera_gateway_requests", "Requests by outcome (ok, error, cancelled, rejected)",
                                 who + ["endpoint", "outcome"], registry=r)
         # By the model a request names (the base model or a LoRA adapter): only served models'
         # names become label values (gateway/catalog.py, metric_label), so the label stays bounded.
-        self.model_requests = Counter("tessera:gateway_model_requests",
+        self.model_requests = Counter("tessera_gateway_model_requests",
                                       "Requests by model (the base model or a LoRA adapter; (unknown): a name "
                                       "nothing serves) and outcome", ["model", "endpoint", "outcome"], registry=r)
-        self.rejections = Counter("tessera:gateway_rejections", "Requests refused, by reason",
+        self.rejections = Counter("tessera_gateway_rejections", "Requests refused, by reason",
                                   who + ["reason"], registry=r)
-        self.ttft = Histogram("tessera:gateway_time_to_first_token_seconds", "Arrival at the gateway to first token",
+        self.ttft = Histogram("tessera_gateway_time_to_first_token_seconds", "Arrival at the gateway to first token",
                               who, buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("tessera:gateway_e2e_request_latency_seconds", "Arrival at the gateway to the end",
+        self.e2e = Histogram("tessera_gateway_e2e_request_latency_seconds", "Arrival at the gateway to the end",
                              who, buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("tessera:gateway_prompt_tokens", "Prompt tokens", who, registry=r)
-        self.generation_tokens = Counter("tessera:gateway_generation_tokens", "Generated tokens", who, registry=r)
-        self.cached_tokens = Counter("tessera:gateway_cached_prompt_tokens",
+        self.prompt_tokens = Counter("tessera_gateway_prompt_tokens", "Prompt tokens", who, registry=r)
+        self.generation_tokens = Counter("tessera_gateway_generation_tokens", "Generated tokens", who, registry=r)
+        self.cached_tokens = Counter("tessera_gateway_cached_prompt_tokens",
                                      "Prompt tokens the engine served from its prefix cache", who, registry=r)
-        self.routing = Counter("tessera:gateway_routing_decisions", "Engine calls by pod and kind "
+        self.routing = Counter("tessera_gateway_routing_decisions", "Engine calls by pod and kind "
                                "(route, retry, prefill, decode)", ["pod", "role", "kind"], registry=r)
-        self.prefix_hit_tokens = Counter("tessera:gateway_routed_prefix_hit_tokens",
+        self.prefix_hit_tokens = Counter("tessera_gateway_routed_prefix_hit_tokens",
                                          "Prompt tokens the chosen pod reported holding when routed", ["pod"],
                                          registry=r)
-        self.prefix_queries = Counter("tessera:gateway_prefix_queries", "Prefix-cache queries (Engine.GetLoad) the "
+        self.prefix_queries = Counter("tessera_gateway_prefix_queries", "Prefix-cache queries (Engine.GetLoad) the "
                                       "router sent, by outcome (ok, unavailable, timeout, error)", ["outcome"],
                                       registry=r)
         # Looked up once (labels() costs more than the update); every outcome shows from the start, at 0.
@@ -58,25 +60,25 @@ class GatewayMetrics:
         # The demand for a prefill pool at zero pods, where nothing queues: the decode pods serve
         # (tessera_operator/autoscale.py lifts the pool on its increase).
         self.prefills_unplaced = Counter(
-            "tessera:gateway_prefills_unplaced",
+            "tessera_gateway_prefills_unplaced",
             "Prompts that disaggregation would send to a prefill pod, prefilled by their decode pod "
             "because no prefill pod was routable", registry=r)
-        self.retries = Counter("tessera:gateway_retries", "Engine calls retried on another pod before the first token",
+        self.retries = Counter("tessera_gateway_retries", "Engine calls retried on another pod before the first token",
                                registry=r)
         # What the gateway itself adds before a request's first token reaches
         # an engine: sub-millisecond buckets, the router's cost is the point.
         self.dispatch = Histogram(
-            "tessera:gateway_dispatch_seconds",
+            "tessera_gateway_dispatch_seconds",
             "Arrival at the gateway to its first engine call sent, less the wait in the admission queue "
             "(checks, tokenizing, routing with its prefix queries)",
             buckets=(0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.05, 0.1, 0.25, 1.0),
             registry=r)
-        self.queue_length = Gauge("tessera:gateway_queue_length", "Requests waiting in the admission queue",
+        self.queue_length = Gauge("tessera_gateway_queue_length", "Requests waiting in the admission queue",
                                   ["priority_class"], registry=r)
-        self.pushed_prefix_blocks = Gauge("tessera:gateway_pushed_prefix_blocks",
+        self.pushed_prefix_blocks = Gauge("tessera_gateway_pushed_prefix_blocks",
                                           "Distinct prefix-cache blocks the engine pods pushed that some pod "
                                           "holds (router.prefix_match: pushed; 0 otherwise)", registry=r)
-        self.pods_routable = Gauge("tessera:gateway_pods_routable", "Engine pods taking requests", ["role"],
+        self.pods_routable = Gauge("tessera_gateway_pods_routable", "Engine pods taking requests", ["role"],
                                    registry=r)
 
         self._per_request: dict[tuple[str, str], RequestMetrics] = {}

@@ -17,13 +17,17 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from opentelemetry import trace
+
 from gateway.admission import Ticket
 from gateway.choice import ChoiceState
 from gateway.engine_call import prefill, stream_choice
 from gateway.errors import EngineRefused, GatewayError, StreamBroken, client_error, internal
 from gateway.pods import Pod
 from gateway.priority import PriorityClass
+from gateway.rejections import is_refusal, rejection_reason
 from gateway.request import ChoiceUpdate, GenerationRequest, Usage
+from gateway.request_span import record_response
 from gateway.structured_output import engine_refusal
 from gateway.tenants import Tenant
 from tessera.v1 import engine_pb2 as epb
@@ -51,7 +55,7 @@ class ResponseStream:
         self.max_tokens = max_tokens
         self.ticket = ticket
         self.arrival = arrival
-        self._dispatched = False  # the first engine call is sent (tessera:gateway_dispatch_seconds)
+        self._dispatched = False  # the first engine call is sent (tessera_gateway_dispatch_seconds)
         # However often it is routed again (_replan), the request waits for a pod until then at most.
         self._pod_deadline = time.monotonic() + gateway.config.admission.queue_timeout_s
         self.endpoint = endpoint
@@ -68,6 +72,10 @@ class ResponseStream:
         self._remaining = req.options.n
         self._closed = False
         self.outcome = "ok"
+        # The request's SERVER span (current while open_stream builds this): its answer is
+        # recorded there when the request ends, which for a stream is after the handler returned.
+        self._span = trace.get_current_span()
+        self._finish_reasons: list[str] = []
 
     @property
     def labels(self) -> tuple[str, str]:
@@ -98,6 +106,13 @@ class ResponseStream:
         # Wait for the first output (or the refusal) before the front end answers.
         try:
             self._first = await self._next_update()
+        except GatewayError as e:
+            if is_refusal(e) and not e.counted:  # an engine pod refused it at submit (a 4xx): a rejection
+                self.outcome, e.counted = "rejected", True  # aclose counts the request by its outcome
+                g.metrics.rejections.labels(*self.labels, rejection_reason(e)).inc()
+            else:
+                self.outcome = "error"
+            raise
         except BaseException:
             self.outcome = "error"
             raise
@@ -226,6 +241,7 @@ class ResponseStream:
             self.gateway.metrics.for_request(*self.labels).ttft.observe(self._first_token_time - self.arrival)
         if update.finish_reason is not None:
             self._remaining -= 1
+            self._finish_reasons.append(update.finish_reason)
 
     async def collect(self) -> list[ChoiceUpdate]:
         """Every choice's whole output (for non-streaming answers)."""
@@ -257,6 +273,7 @@ class ResponseStream:
         # Resolved when it was admitted: a served model's name, never arbitrary client input.
         m.model_requests.labels(self.req.model, self.endpoint, self.outcome).inc()
         usage, per = self.usage, m.for_request(*labels)
+        record_response(self._span, self._finish_reasons, usage.prompt_tokens, usage.completion_tokens)
         per.prompt_tokens.inc(usage.prompt_tokens)
         per.generation_tokens.inc(usage.completion_tokens)
         per.cached_tokens.inc(usage.cached_tokens)

@@ -145,7 +145,7 @@ _TIE_BREAK_SCALE = 1e-6
 # fallbacks: as many as a request can try (gateway/engine_call.py).
 BOUNDED_FALLBACKS = 8
 
-# A failed prefix query's outcome label on tessera:gateway_prefix_queries.
+# A failed prefix query's outcome label on tessera_gateway_prefix_queries.
 _QUERY_OUTCOMES = {grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout"}
 
 

@@ -15,6 +15,8 @@ import asyncio
 import dataclasses
 import time
 
+from opentelemetry import trace
+
 from gateway.admission import AdmissionController, Rejected, Ticket
 from gateway.catalog import ModelCatalog
 from gateway.config import GatewayConfig
@@ -31,7 +33,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.model import PromptError, ServedModel
 from gateway.pods import Pod, PodPool
 from gateway.priority import PriorityClass, PriorityClasses, PriorityClassError
+from gateway.rejections import count_rejection
 from gateway.request import GenerationRequest, SamplingOptions
+from gateway.request_span import record_admitted, record_request, record_routed
 from gateway.response_stream import ResponseStream
 from gateway.router import Router, ScoredPod
 from gateway.tenants import AdminRefused, AuthError, Tenant, TenantRegistry
@@ -123,7 +127,8 @@ class Gateway:
         read); raises GatewayError for every refusal. `tenant` comes from
         `authenticate`, which the front ends call before they read the body."""
         arrival = time.monotonic()
-        labels = (tenant.name, req.priority_class or tenant.priority_class or self.classes.default.name)
+        record_request(trace.get_current_span(), req)  # the front end's SERVER span
+        labels = (tenant.name, "")  # the class once resolved: never the client's unchecked name
         try:
             lora_name, pclass, prompt_ids, max_tokens = self._validate(req, tenant)
             labels = (tenant.name, pclass.name)
@@ -131,7 +136,7 @@ class Gateway:
                 raise unavailable("no engine pod is serving; retry shortly", "no_engine_pod")
             ticket = await self._admit(tenant, pclass, len(prompt_ids), req.options.n * max_tokens)
         except GatewayError as e:
-            self.metrics.requests.labels(*labels, endpoint, "rejected").inc()
+            count_rejection(self.metrics, e, labels, endpoint)
             self.metrics.model_requests.labels(self.catalog.metric_label(req.model), endpoint, "rejected").inc()
             raise e from None
         stream = ResponseStream(self, req, tenant, pclass, prompt_ids, max_tokens, ticket, arrival, endpoint,
@@ -143,20 +148,23 @@ class Gateway:
             raise
         return stream
 
-    def authenticate(self, authorization: str | None) -> Tenant:
+    def authenticate(self, authorization: str | None, endpoint: str = "") -> Tenant:
+        """`endpoint`: the refused request's label in the metrics."""
         try:
             return self.tenants.authenticate(authorization)
         except AuthError as e:
-            self.metrics.rejections.labels("", "", "unauthenticated").inc()
-            raise unauthenticated(str(e)) from None
+            error = unauthenticated(str(e))
+            count_rejection(self.metrics, error, ("", ""), endpoint)
+            raise error from None
 
-    def check_admin(self, tenant: Tenant) -> None:
+    def check_admin(self, tenant: Tenant, endpoint: str = "") -> None:
         """403 unless `tenant` may call the admin endpoints (gateway/tenants.py)."""
         try:
             self.tenants.check_admin(tenant)
         except AdminRefused as e:
-            self.metrics.rejections.labels(tenant.name, "", "not_admin").inc()
-            raise permission_denied(str(e)) from None
+            error = permission_denied(str(e))
+            count_rejection(self.metrics, error, (tenant.name, ""), endpoint)
+            raise error from None
 
     def _validate(self, req: GenerationRequest, tenant: Tenant) -> tuple[str, PriorityClass, list[int], int]:
         """The request's LoRA adapter ("" for the base model), class, prompt ids and max_tokens."""
@@ -200,13 +208,15 @@ class Gateway:
 
     async def _admit(self, tenant: Tenant, pclass: PriorityClass, num_prompt_tokens: int,
                      max_output_tokens: int) -> Ticket:
+        request_span = trace.get_current_span()
         with _tracer.start_as_current_span("gateway.admission") as span:
             span.set_attribute("tessera.tenant", tenant.name)
             span.set_attribute("tessera.priority_class", pclass.name)
             try:
-                return await self.admission.admit(tenant, pclass, num_prompt_tokens, max_output_tokens)
-            except Rejected as e:
-                self.metrics.rejections.labels(tenant.name, pclass.name, e.reason).inc()
+                ticket = await self.admission.admit(tenant, pclass, num_prompt_tokens, max_output_tokens)
+                record_admitted(request_span, ticket.queue_wait_s, pclass.name)
+                return ticket
+            except Rejected as e:  # counted by open_stream: the error's code is the reason
                 span.set_attribute("tessera.rejected", e.reason)
                 if e.reason == "queue_timeout":
                     raise unavailable(e.message, e.reason, e.retry_after) from None
@@ -219,6 +229,7 @@ class Gateway:
         last pod left waits for one (until `deadline`, a time.monotonic();
         default queue_timeout_s from now) instead of a 503. `adapter`: the
         request's LoRA adapter ("" for the base model)."""
+        request_span = trace.get_current_span()
         with _tracer.start_as_current_span("gateway.route") as span:
             hashes = self._block_hashes(prompt_ids, cache_salt, adapter)
             key = hashes[0] if hashes else request_id.encode()
@@ -235,6 +246,7 @@ class Gateway:
             span.set_attribute("tessera.pod", plan.candidates[0].address)
             span.set_attribute("tessera.prefix_hit_tokens", plan.matched_tokens)
             span.set_attribute("tessera.disaggregated", bool(plan.prefill_candidates))
+            record_routed(request_span, plan.candidates[0].address, plan.matched_tokens, bool(plan.prefill_candidates))
             self.metrics.prefix_hit_tokens.labels(plan.candidates[0].address).inc(plan.matched_tokens)
             self.router.note_routed(plan.candidates[:1] + plan.prefill_candidates[:1], keys)
             return plan

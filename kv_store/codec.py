@@ -40,7 +40,7 @@ FORMAT_VERSION = 2
 FINGERPRINT_BYTES = 16
 MAC_BYTES = 32
 
-# Why a value was refused (a label of tessera:kv_store_rejected_values_total).
+# Why a value was refused (a label of tessera_kv_store_rejected_values_total).
 REJECT_TRUNCATED = "truncated"  # shorter than its header, or its payload length is wrong
 REJECT_FORMAT = "format"  # not this format or version (e.g. written before the MAC)
 REJECT_MAC = "mac"  # the MAC does not match: forged, another deployment's key, or damaged

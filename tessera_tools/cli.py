@@ -101,6 +101,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("run a benchmark", "tessera_tools.bench:add_bench_parser"),
     "operator": ("run the Kubernetes operator that reconciles InferenceServices", "tessera_operator.cli:add_parser"),
     "up": ("run an InferenceService on this machine (gateway + engine pods)", "tessera_tools.up:add_parser"),
+    "render": ("print the Kubernetes objects the operator would create for an InferenceService",
+               "tessera_tools.render:add_parser"),
+    "validate": ("check InferenceService files against the CRD schema and the operator's rules",
+                 "tessera_tools.validate:add_parser"),
 }
 
 

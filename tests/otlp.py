@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
@@ -39,13 +41,22 @@ def otlp_env(port: int) -> dict[str, str]:
     }
 
 
-@pytest.fixture
-def otlp_collector():
+@contextlib.contextmanager
+def running_collector() -> Iterator[tuple[Collector, int]]:
+    """A collector serving OTLP/gRPC on a free loopback port: (collector, port)."""
     collector = Collector()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
-    yield collector, port
-    server.stop(0)
+    try:
+        yield collector, port
+    finally:
+        server.stop(0)
+
+
+@pytest.fixture
+def otlp_collector():
+    with running_collector() as found:
+        yield found

@@ -14,10 +14,10 @@ from collections.abc import Coroutine
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from engine_pod.server.auth import ServerTLS
 from engine_pod.server.grpc_service import EngineService
+from tessera.reflection import enable_server_reflection
 from tessera.v1 import engine_pb2, engine_pb2_grpc
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -60,7 +60,7 @@ class PodServer:
         server = grpc.aio.server(interceptors=self.interceptors, options=_SERVER_OPTIONS)
         engine_pb2_grpc.add_EngineServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), server)  # v1 and v1alpha
         await self.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         _listen(server, self.address, "--grpc-port", self.tls.credentials() if self.tls else None)
         if self.health_address is not None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 
 import grpc
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace import SpanKind
 
 from engine_pod.processor import Processor
 from engine_pod.server.async_engine import (
@@ -27,11 +28,26 @@ from engine_pod.server.lora_registry import (
 )
 from engine_pod.server.metrics import EngineMetrics
 from engine_pod.server.prefix_cache_feed import PrefixCacheFeed
-from tessera.tracing import parent_context, tracer
+from tessera.tracing import (
+    GEN_AI_REQUEST_MAX_TOKENS,
+    GEN_AI_REQUEST_MODEL,
+    GEN_AI_REQUEST_TEMPERATURE,
+    GEN_AI_REQUEST_TOP_P,
+    GEN_AI_RESPONSE_FINISH_REASONS,
+    GEN_AI_RESPONSE_ID,
+    GEN_AI_USAGE_INPUT_TOKENS,
+    GEN_AI_USAGE_OUTPUT_TOKENS,
+    end_rpc_span,
+    parent_context,
+    server_call_code,
+    start_rpc_span,
+    tracer,
+)
 from tessera.v1 import engine_pb2 as pb
 from tessera.v1 import engine_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
+GENERATE = "tessera.v1.Engine/Generate"
 
 
 class EngineService(pb_grpc.EngineServicer):
@@ -51,6 +67,27 @@ class EngineService(pb_grpc.EngineServicer):
         self.engine = engine
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        # Not made current: grpc closes a cancelled stream's generator from
+        # another context, where a context attached here cannot be detached
+        # (opentelemetry logs that as an ERROR traceback on every cancel).
+        span = start_rpc_span(tracer(), GENERATE, SpanKind.SERVER, parent_context(context.invocation_metadata()))
+        error, finished = None, False
+        try:
+            # aclosing: a close at the yield below reaches _generate's own (the abort on the engine).
+            async with contextlib.aclosing(self._generate(request, context, span)) as responses:
+                async for response in responses:
+                    finished = bool(response.finish_reason)
+                    yield response
+        except BaseException as e:  # an abort, the caller gone, a bug: each gets its code
+            # The gateway cancels a call once it has read the last response:
+            # no failure, the call did its work.
+            if not (finished and isinstance(e, (GeneratorExit, asyncio.CancelledError))):
+                error = e
+            raise
+        finally:
+            end_rpc_span(span, server_call_code(context, error), context.details() or "")
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, span):
         if not self.serving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine pod is not serving (starting or draining)")
         if self.engine.num_queued() >= self.max_waiting_requests:
@@ -78,43 +115,42 @@ class EngineService(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
         arrival = time.time()
-        # Not made current: grpc closes a cancelled stream's generator from
-        # another context, where a context attached here cannot be detached
-        # (opentelemetry logs that as an ERROR traceback on every cancel).
-        span = tracer().start_span("engine.generate", context=parent_context(context.invocation_metadata()))
+        params = request.sampling_params
+        span.set_attributes({
+            "tessera.request_id": request_id, GEN_AI_RESPONSE_ID: request_id,
+            GEN_AI_USAGE_INPUT_TOKENS: engine_request.num_prompt_tokens,
+            GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens, GEN_AI_REQUEST_TEMPERATURE: params.temperature,
+            GEN_AI_REQUEST_TOP_P: params.top_p,
+        })
+        if request.lora_name:
+            span.set_attribute(GEN_AI_REQUEST_MODEL, request.lora_name)
         try:
-            span.set_attribute("tessera.request_id", request_id)
-            span.set_attribute("gen_ai.usage.input_tokens", engine_request.num_prompt_tokens)
-            try:
-                queue = self.engine.add_request(engine_request)
-            except EngineDeadError as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            stream = _RequestStream(request_id, engine_request.num_prompt_tokens, arrival, self.metrics, span,
-                                    request.lora_name or None)
-            if stream.lora_name:
-                self.metrics.on_lora_request(stream.lora_name)
-            try:
-                while True:
-                    item = await queue.get()
-                    response = stream.on_item(item)
-                    if response is not None:
-                        yield response
-                    if stream.done:
-                        break
-            except (asyncio.CancelledError, GeneratorExit):
-                # The client went away (a cancel, a deadline, a closed
-                # channel): expected, so no traceback; free its KV blocks now.
-                # CancelledError while waiting for the engine, GeneratorExit
-                # when grpc closes the stream suspended at a yield.
-                logger.debug("request %s: cancelled by the client", request_id)
-                self.engine.abort(request_id)
-                stream.finish("abort", time.time())
-                raise
-            if stream.error is not None:
-                span.set_status(Status(StatusCode.ERROR, str(stream.error)))
-                await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {stream.error!r}")
-        finally:
-            span.end()
+            queue = self.engine.add_request(engine_request)
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        stream = _RequestStream(request_id, engine_request.num_prompt_tokens, arrival, self.metrics, span,
+                                request.lora_name or None)
+        if stream.lora_name:
+            self.metrics.on_lora_request(stream.lora_name)
+        try:
+            while True:
+                item = await queue.get()
+                response = stream.on_item(item)
+                if response is not None:
+                    yield response
+                if stream.done:
+                    break
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away (a cancel, a deadline, a closed
+            # channel): expected, so no traceback; free its KV blocks now.
+            # CancelledError while waiting for the engine, GeneratorExit
+            # when grpc closes the stream suspended at a yield.
+            logger.debug("request %s: cancelled by the client", request_id)
+            self.engine.abort(request_id)
+            stream.finish("abort", time.time())
+            raise
+        if stream.error is not None:
+            await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {stream.error!r}")
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         if self.engine is None:
@@ -250,6 +286,6 @@ class _RequestStream:
             return
         self.done = True
         self.metrics.on_finished(reason, self.arrival, now)
-        self.span.set_attribute("gen_ai.usage.output_tokens", self.num_output_tokens)
-        self.span.set_attribute("tessera.finish_reason", reason)
+        self.span.set_attribute(GEN_AI_USAGE_OUTPUT_TOKENS, self.num_output_tokens)
+        self.span.set_attribute(GEN_AI_RESPONSE_FINISH_REASONS, [reason])
         self.span.add_event("finished", timestamp=int(now * 1e9))

@@ -74,7 +74,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("engine", help="run an engine pod (gRPC tessera.v1.Engine)")
     add_engine_args(p)
     p.add_argument("--role", default="mixed", help="mixed, prefill or decode")
-    p.add_argument("--host", default="0.0.0.0")
+    # Loopback unless told otherwise: the Engine API is internal (docs/security.md); the operator
+    # passes --host 0.0.0.0 so the gateway can reach the pod across the cluster network.
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on (gRPC, health, metrics); 0.0.0.0 for every interface")
     p.add_argument("--grpc-port", type=int, default=50061)
     p.add_argument("--metrics-port", type=int, default=9090, help="0 disables /metrics")
     p.add_argument("--max-waiting-requests", type=int, default=1024,

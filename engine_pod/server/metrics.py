@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine_pod.core.stats import SchedulerStats
+from tessera.metrics_registry import component_registry
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -18,7 +19,7 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4
 
 class EngineMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+        self.registry = registry or component_registry()
         labels = ["model_name"]
         r = self.registry
 
@@ -31,36 +32,36 @@ class EngineMetrics:
         def histogram(name, doc, buckets):
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
-        self.num_requests_running = gauge("tessera:num_requests_running", "Requests in the running set")
-        self.num_requests_waiting = gauge("tessera:num_requests_waiting", "Requests waiting to be scheduled")
-        self.kv_cache_usage = gauge("tessera:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)")
-        self.prefix_cache_queries = counter("tessera:prefix_cache_queries",
+        self.num_requests_running = gauge("tessera_num_requests_running", "Requests in the running set")
+        self.num_requests_waiting = gauge("tessera_num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_cache_usage = gauge("tessera_kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)")
+        self.prefix_cache_queries = counter("tessera_prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache")
-        self.prefix_cache_hits = counter("tessera:prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        self.num_preemptions = counter("tessera:num_preemptions", "Requests preempted (recompute)")
+        self.prefix_cache_hits = counter("tessera_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.num_preemptions = counter("tessera_num_preemptions", "Requests preempted (recompute)")
         # Mean accepted length = 1 + accepted_tokens / drafts; acceptance rate = accepted / draft_tokens.
         self.spec_decode_num_drafts = counter(
-            "tessera:spec_decode_num_drafts", "Verification steps of a request that carried drafts")
+            "tessera_spec_decode_num_drafts", "Verification steps of a request that carried drafts")
         self.spec_decode_num_draft_tokens = counter(
-            "tessera:spec_decode_num_draft_tokens", "Draft tokens verified by the target model")
+            "tessera_spec_decode_num_draft_tokens", "Draft tokens verified by the target model")
         self.spec_decode_num_accepted_tokens = counter(
-            "tessera:spec_decode_num_accepted_tokens", "Draft tokens accepted")
-        self.prompt_tokens = counter("tessera:prompt_tokens", "Prompt tokens processed (counted at the first token)")
-        self.generation_tokens = counter("tessera:generation_tokens", "Generated tokens")
+            "tessera_spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.prompt_tokens = counter("tessera_prompt_tokens", "Prompt tokens processed (counted at the first token)")
+        self.generation_tokens = counter("tessera_generation_tokens", "Generated tokens")
         self._request_success = Counter(
-            "tessera:request_success", "Finished requests by finish reason", labels + ["finished_reason"], registry=r
+            "tessera_request_success", "Finished requests by finish reason", labels + ["finished_reason"], registry=r
         )
         self._model = model_name
-        self.queue_time = histogram("tessera:request_queue_time_seconds", "Arrival to first scheduled",
+        self.queue_time = histogram("tessera_request_queue_time_seconds", "Arrival to first scheduled",
                                     _LATENCY_BUCKETS)
-        self.ttft = histogram("tessera:time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS)
-        self.itl = histogram("tessera:inter_token_latency_seconds", "Time between output tokens", _ITL_BUCKETS)
-        self.e2e = histogram("tessera:e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
+        self.ttft = histogram("tessera_time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS)
+        self.itl = histogram("tessera_inter_token_latency_seconds", "Time between output tokens", _ITL_BUCKETS)
+        self.e2e = histogram("tessera_e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
         # Per LoRA adapter: its label values are the names the pod serves (an operator's or admin's
         # choice), never a client's string.
-        self._lora_requests = Counter("tessera:lora_requests", "Requests on a LoRA adapter",
+        self._lora_requests = Counter("tessera_lora_requests", "Requests on a LoRA adapter",
                                       labels + ["lora_name"], registry=r)
-        self._lora_generation_tokens = Counter("tessera:lora_generation_tokens", "Tokens generated on a LoRA adapter",
+        self._lora_generation_tokens = Counter("tessera_lora_generation_tokens", "Tokens generated on a LoRA adapter",
                                                labels + ["lora_name"], registry=r)
 
     def on_step(self, stats: SchedulerStats) -> None:
@@ -125,27 +126,27 @@ class KVStoreCollector:
             fam.add_metric(m + ["redis"], redis)
             return fam
 
-        yield counter("tessera:kv_store_lookups", "Blocks looked up in the KV store", s.lookups)
-        yield per_tier("tessera:kv_store_hits", "Blocks loaded from the KV store", s.host_hits, s.redis_hits)
-        yield per_tier("tessera:kv_store_read_bytes", "Bytes read from the KV store", s.bytes_read_host,
+        yield counter("tessera_kv_store_lookups", "Blocks looked up in the KV store", s.lookups)
+        yield per_tier("tessera_kv_store_hits", "Blocks loaded from the KV store", s.host_hits, s.redis_hits)
+        yield per_tier("tessera_kv_store_read_bytes", "Bytes read from the KV store", s.bytes_read_host,
                        s.bytes_read_redis)
-        yield per_tier("tessera:kv_store_written_bytes", "Bytes written to the KV store",
+        yield per_tier("tessera_kv_store_written_bytes", "Bytes written to the KV store",
                        s.bytes_written_host, s.bytes_written_redis)
-        yield counter("tessera:kv_store_write_drops", "Redis writes dropped (write-behind queue full)",
+        yield counter("tessera_kv_store_write_drops", "Redis writes dropped (write-behind queue full)",
                       s.writes_dropped)
         yield self._rejected(labels, m)
-        summary = SummaryMetricFamily("tessera:kv_store_load_seconds", "Time to load a run of blocks", labels=labels)
+        summary = SummaryMetricFamily("tessera_kv_store_load_seconds", "Time to load a run of blocks", labels=labels)
         summary.add_metric(m, count_value=s.loads, sum_value=s.load_seconds)
         yield summary
-        host = GaugeMetricFamily("tessera:kv_store_host_bytes", "Bytes held by the host tier", labels=labels)
+        host = GaugeMetricFamily("tessera_kv_store_host_bytes", "Bytes held by the host tier", labels=labels)
         host.add_metric(m, self.store.host.used_bytes)
         yield host
         remote = self.store.remote
         if remote is not None:
-            up = GaugeMetricFamily("tessera:kv_store_redis_up", "1 if the last Redis call succeeded", labels=labels)
+            up = GaugeMetricFamily("tessera_kv_store_redis_up", "1 if the last Redis call succeeded", labels=labels)
             up.add_metric(m, 1.0 if remote.available else 0.0)
             yield up
-            yield counter("tessera:kv_store_redis_errors", "Failed Redis calls", remote.errors)
+            yield counter("tessera_kv_store_redis_errors", "Failed Redis calls", remote.errors)
 
     def _rejected(self, labels, m):
         """Refused stored values by tier and reason (truncated, format, mac,
@@ -155,7 +156,7 @@ class KVStoreCollector:
 
         from kv_store.codec import REJECT_REASONS
 
-        fam = CounterMetricFamily("tessera:kv_store_rejected_values",
+        fam = CounterMetricFamily("tessera_kv_store_rejected_values",
                                   "Stored blocks refused on read (and deleted), by tier and reason",
                                   labels=labels + ["tier", "reason"])
         tiers = ("host", "redis") if self.store.remote is not None else ("host",)
@@ -177,10 +178,10 @@ class StructuredOutputCollector:
 
         s = self.stats
         for name, doc, value in (
-            ("tessera:structured_output_requests", "Guided requests (structured outputs) added", s.num_requests),
-            ("tessera:structured_output_compiles", "Grammars compiled (compile-cache misses)", s.num_compiles),
-            ("tessera:structured_output_cache_hits", "Guided requests served a cached grammar", s.num_cache_hits),
-            ("tessera:structured_output_compile_seconds", "Time spent compiling grammars", s.compile_seconds),
+            ("tessera_structured_output_requests", "Guided requests (structured outputs) added", s.num_requests),
+            ("tessera_structured_output_compiles", "Grammars compiled (compile-cache misses)", s.num_compiles),
+            ("tessera_structured_output_cache_hits", "Guided requests served a cached grammar", s.num_cache_hits),
+            ("tessera_structured_output_compile_seconds", "Time spent compiling grammars", s.compile_seconds),
         ):
             fam = CounterMetricFamily(name, doc, labels=["model_name"])
             fam.add_metric([self.model_name], value)
@@ -199,10 +200,10 @@ class LoRACollector:
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily
 
-        resident = GaugeMetricFamily("tessera:lora_adapter_resident", "1 for a served adapter whose weights are "
+        resident = GaugeMetricFamily("tessera_lora_adapter_resident", "1 for a served adapter whose weights are "
                                      "in host memory, 0 for one that is read on its next request",
                                      labels=["model_name", "lora_name"])
-        seconds = GaugeMetricFamily("tessera:lora_load_seconds", "Seconds the last read of the adapter took",
+        seconds = GaugeMetricFamily("tessera_lora_load_seconds", "Seconds the last read of the adapter took",
                                     labels=["model_name", "lora_name"])
         resident_ids = self.loader.resident_ids
         load_seconds = dict(self.loader.load_seconds)
@@ -218,7 +219,7 @@ class InFlightCollector:
     """The pod's request-seconds in flight (in_flight.py), read at scrape
     time: its rate is the pod's mean concurrency, the autoscaler's signal."""
 
-    NAME = "tessera:request_in_flight_seconds"
+    NAME = "tessera_request_in_flight_seconds"
 
     def __init__(self, in_flight, model_name: str) -> None:
         self.in_flight = in_flight  # in_flight.InFlightSeconds

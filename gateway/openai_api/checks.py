@@ -50,6 +50,18 @@ async def _check_unicode(request: Request) -> None:
                           re.split(r"[.\[]", where)[0])
 
 
+# The `endpoint` label of a REST route in the metrics: its handler's name, but for chat's,
+# which shares the label the pipeline has always used.
+_ENDPOINT_LABELS = {"chat_completions": "chat"}
+
+
+def endpoint_label(request: Request) -> str:
+    """The metrics' `endpoint` of a request: its route's, or "" for a path the API does not have."""
+    route = request.scope.get("route")
+    name = getattr(route, "name", "") or ""
+    return _ENDPOINT_LABELS.get(name, name)
+
+
 def authenticated_route(gateway: Gateway, admin: bool = False) -> type[APIRoute]:
     """`admin`: the routes also need an admin's key (Gateway.check_admin)."""
 
@@ -63,9 +75,10 @@ def authenticated_route(gateway: Gateway, admin: bool = False) -> type[APIRoute]
             handler = super().get_route_handler()
 
             async def route(request: Request) -> Response:
-                request.state.tenant = gateway.authenticate(request.headers.get("authorization"))
+                endpoint = endpoint_label(request)
+                request.state.tenant = gateway.authenticate(request.headers.get("authorization"), endpoint)
                 if admin:
-                    gateway.check_admin(request.state.tenant)
+                    gateway.check_admin(request.state.tenant, endpoint)
                 if request.method == "POST":
                     await _check_unicode(request)
                 return await handler(request)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gateway.request import ChoiceUpdate, TokenLogprob, Usage
 
 
@@ -14,17 +16,15 @@ def usage_json(usage: Usage) -> dict:
     }
 
 
-def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict:
-    """The legacy completions shape: parallel lists, one entry per token."""
-    offsets, pos = [], text_offset
-    for e in entries:
-        offsets.append(pos)
-        pos += len(e.token)
+def completion_logprobs(entries: list[TokenLogprob], text_offsets: Sequence[int]) -> dict:
+    """The legacy completions shape: parallel lists, one entry per token. `text_offsets`: where
+    each token's text starts in the choice's text (ChoiceState.text_offsets), not the tokens'
+    own lengths: a token may decode to nothing (part of a character) or to more than its text."""
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": [{text: lp for _, text, lp in e.top} or {e.token: e.logprob} for e in entries],
-        "text_offset": offsets,
+        "text_offset": list(text_offsets),
     }
 
 
@@ -41,11 +41,11 @@ def _stop_reason(update: ChoiceUpdate):
     return update.stop_reason
 
 
-def completion_choice(update: ChoiceUpdate, want_logprobs: bool, text_offset: int = 0) -> dict:
+def completion_choice(update: ChoiceUpdate, want_logprobs: bool, text_offsets: Sequence[int] = ()) -> dict:
     return {
         "index": update.index,
         "text": update.text,
-        "logprobs": completion_logprobs(update.logprobs, text_offset) if want_logprobs else None,
+        "logprobs": completion_logprobs(update.logprobs, text_offsets) if want_logprobs else None,
         "finish_reason": update.finish_reason,
         "stop_reason": _stop_reason(update),
     }

@@ -11,6 +11,7 @@ method that does not exist, or the gateway itself.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import uuid
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException
 
 from gateway import lora_admin
 from gateway.catalog import ModelEntry
+from gateway.http_tracing import telemetry_config
 from gateway.errors import (
     GatewayError,
     bad_request,
@@ -32,7 +34,7 @@ from gateway.errors import (
     internal,
     unavailable,
 )
-from gateway.openai_api.checks import authenticated_route
+from gateway.openai_api.checks import authenticated_route, endpoint_label
 from gateway.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,7 +49,8 @@ from gateway.openai_api.render import (
     completion_choice,
     usage_json,
 )
-from gateway.request import GenerationRequest
+from gateway.rejections import count_rejection
+from gateway.request import GenerationRequest, TokenLogprob
 from gateway.response_stream import ResponseStream
 from gateway.serving import Gateway
 
@@ -56,9 +59,12 @@ logger = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.25
 
 
-def error_response(e: GatewayError, extra: dict | None = None) -> Response:
-    """OpenAI's error object; `extra`: more top-level keys beside `error`."""
-    headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after is not None else None
+def error_response(e: GatewayError, extra: dict | None = None, headers: dict | None = None) -> Response:
+    """OpenAI's error object; `extra`: more top-level keys beside `error`; `headers`: more
+    headers (a 405's Allow)."""
+    headers = dict(headers or {})
+    if e.retry_after is not None:
+        headers["Retry-After"] = str(e.retry_after_s)
     # ASCII JSON: a message that quotes the client's input renders whatever it holds.
     return Response(json.dumps({**e.to_openai(), **(extra or {})}), status_code=e.status, headers=headers,
                     media_type="application/json")
@@ -77,6 +83,22 @@ def _admin_response(result: lora_admin.AdminResult) -> Response:
     return error_response(result.error(), {"pods": [o.to_json() for o in result.outcomes]})
 
 
+def _non_text_part(body) -> GatewayError | None:
+    """A chat message's content part that is not text (image_url, input_audio, ...): this
+    gateway serves text-only models, and pydantic's own message for it (the union's every
+    failed branch) says nothing of the kind."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                where = f"messages[{i}].content[{j}].type"
+                return bad_request(f"{where}: content parts of type {kind[:64]!r} are not supported: this model "
+                                   "takes text only", "unsupported_content_type", where)
+    return None
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -85,6 +107,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('msg')}", None
+    if not loc:  # the body as a whole: not a JSON object (or sent without Content-Type: application/json)
+        return "the body must be a JSON object, sent with Content-Type: application/json", None
     where = ".".join(loc) or "body"
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
     return f"{where}: {first.get('msg')}{more}", (loc[0] if loc else None)
@@ -105,30 +129,40 @@ def _openapi(app: FastAPI) -> dict:
 
 
 def build_app(gateway: Gateway) -> FastAPI:
+    # FastAPI itself makes the SERVER span of each request (joined to the caller's W3C
+    # traceparent) with the global tracer provider; telemetry_config() leaves out health probes.
     app = FastAPI(title="Tessera gateway", version="v1",
                   description="OpenAI-compatible inference API of a Tessera InferenceService. Send "
-                              "`Authorization: Bearer <key>`; every error has OpenAI's error shape.")
+                              "`Authorization: Bearer <key>`; every error has OpenAI's error shape.",
+                  telemetry=telemetry_config())
     app.openapi = lambda: _openapi(app)
-    # FastAPI itself makes the SERVER span of each request (joined to the
-    # caller's W3C traceparent) with the global tracer provider.
     v1 = APIRouter(route_class=authenticated_route(gateway))
     admin = APIRouter(route_class=authenticated_route(gateway, admin=True))
 
+    def refused(request: Request, e: GatewayError, headers: dict | None = None) -> Response:
+        """The error answer, the refusal counted once (the pipeline counts its own)."""
+        tenant = getattr(request.state, "tenant", None)
+        count_rejection(gateway.metrics, e, (tenant.name if tenant else "", ""), endpoint_label(request))
+        return error_response(e, headers=headers)
+
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        return error_response(bad_request(message, "invalid_value", param))
+        error = _non_text_part(exc.body)
+        if error is None:
+            message, param = _validation_message(exc)
+            error = bad_request(message, "invalid_value", param)
+        return refused(request, error)
 
     @app.exception_handler(GatewayError)
     async def _on_gateway_error(request: Request, exc: GatewayError):
-        return error_response(exc)
+        return refused(request, exc)
 
     @app.exception_handler(HTTPException)
     async def _on_http_error(request: Request, exc: HTTPException):
-        # Routing's 404 and 405, and a body FastAPI could not read (400).
+        # Routing's 404 and 405 (with its Allow header), and a body FastAPI could not read (400).
         detail = f"{exc.detail}: {request.method} {request.url.path}" if exc.status_code in (404, 405) \
             else str(exc.detail)
-        return error_response(http_error(exc.status_code, detail))
+        return refused(request, http_error(exc.status_code, detail), exc.headers)
 
     @app.exception_handler(ClientGone)
     async def _on_client_gone(request: Request, exc: ClientGone):
@@ -152,7 +186,8 @@ def build_app(gateway: Gateway) -> FastAPI:
         choices = await _collect(stream, request)
         return {
             "id": f"cmpl-{stream.id}", "object": "text_completion", "created": stream.created, "model": body.model,
-            "choices": [completion_choice(c, want_logprobs) for c in choices], "usage": usage_json(stream.usage),
+            "choices": [completion_choice(c, want_logprobs, stream.choices[c.index].text_offsets) for c in choices],
+            "usage": usage_json(stream.usage),
         }
 
     @v1.post("/v1/chat/completions", responses=generation_errors)
@@ -322,12 +357,26 @@ async def _chunks(stream: ResponseStream, base: dict, include_usage: bool, rende
 
 def _completion_chunks(stream: ResponseStream, model: str, want_logprobs: bool,
                        include_usage: bool) -> AsyncIterator[dict]:
-    offsets = [0] * len(stream.choices)  # text_offset of each choice's next token
+    # Per choice: its logprob entries not sent yet, how many were, and the characters sent.
+    pending: list[list[TokenLogprob]] = [[] for _ in stream.choices]
+    num_sent = [0] * len(stream.choices)
+    num_chars = [0] * len(stream.choices)
 
     def render(update):
-        choice = completion_choice(update, want_logprobs, offsets[update.index])
-        offsets[update.index] += len(update.text)
-        return choice
+        i = update.index
+        pending[i] += update.logprobs
+        num_chars[i] += len(update.text)
+        offsets = stream.choices[i].text_offsets
+        start = num_sent[i]
+        end = start + len(pending[i])
+        if update.finish_reason is None:
+            # A token starting past the text sent may yet be cut off by a stop string (its offset would
+            # move): its entry waits for the text. Offsets only grow, so the wait is a suffix.
+            while end > start and offsets[end - 1] > num_chars[i]:
+                end -= 1
+        entries, pending[i] = pending[i][:end - start], pending[i][end - start:]
+        num_sent[i] = end
+        return completion_choice(dataclasses.replace(update, logprobs=entries), want_logprobs, offsets[start:end])
 
     base = {"id": f"cmpl-{stream.id}", "object": "text_completion", "created": stream.created, "model": model}
     return _chunks(stream, base, include_usage, render)

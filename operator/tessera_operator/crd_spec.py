@@ -14,6 +14,7 @@ from tessera_operator.schema_dsl import (
     boolean,
     folder_sources,
     integer,
+    number,
     obj,
     resources,
     secret_key_ref,
@@ -27,6 +28,9 @@ DEFAULT_CONTROL_PLANE_IMAGE = "ghcr.io/tessera-ai/tessera-control-plane:0.1.0"
 # The KV store keys whole blocks, not per-rank shards: the engine refuses TP > 1 with Redis.
 TP_REDIS_RULE = "self.engine.tensorParallelSize == 1 || !has(self.kvStore.redis)"
 DEFAULT_CLASS_RULE = "self.priorityClasses.exists(c, c.name == self.defaultPriorityClass)"
+# An OTLP/gRPC endpoint is a URL with a scheme and no path (the SDK's exporter dials HOST:PORT).
+TRACING_ENDPOINT_PATTERN = "^https?://[^/ ]+/?$"
+TRACING_ENDPOINT_RULE = f"self.endpoint.matches('{TRACING_ENDPOINT_PATTERN}')"
 
 
 def spec_schema() -> Schema:
@@ -53,6 +57,7 @@ def spec_schema() -> Schema:
         "internalSecretRef": _internal_secret_ref(),
         "internalTLS": _internal_tls(),
         "networkPolicy": _network_policy(),
+        "tracing": _tracing(),
     }, required=["model"], rules=[
         (TP_REDIS_RULE, "kvStore.redis does not support engine.tensorParallelSize above 1 yet (KV blocks are not "
                         "sharded per rank)"),
@@ -141,3 +146,19 @@ def _network_policy() -> Schema:
                                    string("A namespace name.", pattern=DNS_LABEL_PATTERN, max_length=63),
                                    default=[], max_items=16),
     }, default={})
+
+
+def _tracing() -> Schema:
+    return obj("OpenTelemetry traces of the gateway and the engine pods, exported over OTLP/gRPC (absent: no "
+               "traces). The operator sets the standard OTEL_* variables on their containers; docs/gateway.md "
+               "describes the spans.", {
+        "endpoint": string("The collector's OTLP/gRPC endpoint, http://HOST:PORT (plaintext) or https://HOST:PORT "
+                           "(TLS), e.g. http://otel-collector.observability:4317.", min_length=1, max_length=512),
+        "samplingRatio": number("Share of traces recorded, 0 to 1, decided where a trace starts (a request "
+                                "without a `traceparent`); a request with one, and every call inside a trace, "
+                                "follows the decision already taken.",
+                                default=1.0, minimum=0, maximum=1),
+    }, required=["endpoint"], rules=[
+        (TRACING_ENDPOINT_RULE, "tracing.endpoint must be an OTLP/gRPC URL: http://HOST:PORT or https://HOST:PORT "
+                                "(no path)"),
+    ])

@@ -9,6 +9,7 @@ from kubernetes.utils.quantity import parse_quantity
 from kv_store.redis_tier import REDIS_URL_ENV  # the engine reads the Redis URL (password included) from it
 from tessera_operator import loras, names, pod_parts, secret_files
 from tessera_operator.names import Owner
+from tessera.tracing import ENGINE_SERVICE_NAME
 
 GRPC_PORT = 50061
 METRICS_PORT = 9090
@@ -72,7 +73,7 @@ def speculative_config_json(speculative: dict) -> str:
 
 def engine_env(spec: dict) -> list[dict]:
     env = secret_files.internal_secret_env() + pod_parts.SCRATCH_ENV + [
-        {"name": "TRITON_CACHE_DIR", "value": TRITON_CACHE_DIR}]
+        {"name": "TRITON_CACHE_DIR", "value": TRITON_CACHE_DIR}] + pod_parts.tracing_env(spec, ENGINE_SERVICE_NAME)
     redis = spec["kvStore"].get("redis")
     if redis is not None:
         ref = redis["urlSecretRef"]

@@ -9,6 +9,7 @@ import yaml
 from tessera_operator import loras, names, pod_parts, secret_files
 from tessera_operator.crd_spec import DEFAULT_CONTROL_PLANE_IMAGE, DEFAULT_IMAGE
 from tessera_operator.names import Owner
+from tessera.tracing import GATEWAY_SERVICE_NAME
 
 HTTP_PORT = 8000
 GRPC_PORT = 50051
@@ -117,7 +118,8 @@ def deployment(owner: Owner, spec: dict) -> dict:
         "readinessProbe": _probe("/health/ready", 5, 2),
         "livenessProbe": _probe("/health/live", 10, 6),
         "lifecycle": pod_parts.prestop_sleep(),
-        "env": secret_files.internal_secret_env() + pod_parts.SCRATCH_ENV,
+        "env": (secret_files.internal_secret_env() + pod_parts.SCRATCH_ENV
+                + pod_parts.tracing_env(spec, GATEWAY_SERVICE_NAME)),
         "securityContext": pod_parts.container_security_context(),
         "volumeMounts": mounts,
     }

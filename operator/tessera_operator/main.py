@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import kopf
+import yaml
 from kubernetes import config
 
 from tessera_operator.cli import OPERATOR_NAMESPACE_ENV
@@ -16,11 +18,19 @@ logger = logging.getLogger(__name__)
 
 
 def load_client_config() -> None:
-    """The pod's service account in a cluster, the kubeconfig elsewhere."""
+    """The pod's service account in a cluster, the kubeconfig elsewhere; ValueError (one line
+    from `tessera operator`, not a traceback) when neither names a cluster."""
     try:
         config.load_incluster_config()
+        return
     except config.ConfigException:
+        pass  # not in a pod: the kubeconfig's turn
+    try:
         config.load_kube_config()
+    except (config.ConfigException, OSError, yaml.YAMLError) as e:
+        where = os.environ.get("KUBECONFIG") or "~/.kube/config"
+        raise ValueError(f"no Kubernetes cluster configured (kubeconfig {where}: {e}): set KUBECONFIG to a "
+                         "kubeconfig file, or run in a pod with a service account") from None
 
 
 def kopf_options(args: argparse.Namespace) -> dict:
@@ -42,10 +52,10 @@ def kopf_options(args: argparse.Namespace) -> dict:
 
 def serve(args: argparse.Namespace) -> int:
     options = kopf_options(args)
+    load_client_config()  # first: without a cluster, nothing else matters
     if not args.operator_namespace:
         logger.warning("no --operator-namespace (nor $%s): NetworkPolicies admit only "
                        "spec.networkPolicy.metricsNamespaces to the metrics ports, so autoscaling "
                        "cannot scrape where policies are enforced", OPERATOR_NAMESPACE_ENV)
-    load_client_config()
     kopf.run(memo=kopf.Memo(api=KubeApi(), operator_namespace=args.operator_namespace), **options)
     return 0

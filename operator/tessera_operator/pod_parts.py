@@ -21,6 +21,21 @@ TMP_MOUNT = "/tmp"
 SCRATCH_ENV = [{"name": "HOME", "value": TMP_MOUNT}]
 
 
+def tracing_env(spec: dict, service_name: str) -> list[dict]:
+    """spec.tracing as the standard OTEL_* variables of one component's container (none when absent):
+    the OTLP endpoint, a parent-based ratio sampler (a trace's first hop decides; the others follow)
+    and the component's service.name."""
+    tracing = spec.get("tracing")
+    if tracing is None:
+        return []
+    return [
+        {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": tracing["endpoint"]},
+        {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
+        {"name": "OTEL_TRACES_SAMPLER_ARG", "value": repr(float(tracing["samplingRatio"]))},
+        {"name": "OTEL_SERVICE_NAME", "value": service_name},
+    ]
+
+
 def object_meta(owner: Owner, name: str, labels: dict[str, str]) -> dict:
     return {"name": name, "namespace": owner.namespace, "labels": dict(labels),
             "ownerReferences": [owner.reference()]}

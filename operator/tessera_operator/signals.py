@@ -22,16 +22,16 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 # Names exported by engine_pod/server/metrics.py.
-WAITING = "tessera:num_requests_waiting"
-RUNNING = "tessera:num_requests_running"
-KV_USAGE = "tessera:kv_cache_usage_perc"
-TTFT = "tessera:time_to_first_token_seconds"
-ITL = "tessera:inter_token_latency_seconds"
-IN_FLIGHT_SECONDS = "tessera:request_in_flight_seconds_total"
+WAITING = "tessera_num_requests_waiting"
+RUNNING = "tessera_num_requests_running"
+KV_USAGE = "tessera_kv_cache_usage_perc"
+TTFT = "tessera_time_to_first_token_seconds"
+ITL = "tessera_inter_token_latency_seconds"
+IN_FLIGHT_SECONDS = "tessera_request_in_flight_seconds_total"
 # Gauge of gateway/metrics.py: requests waiting in its admission queue (one series per priority class).
-GATEWAY_QUEUED = "tessera:gateway_queue_length"
+GATEWAY_QUEUED = "tessera_gateway_queue_length"
 # Counter of gateway/metrics.py: prompts a decode pod prefilled for want of a prefill pod.
-GATEWAY_PREFILLS_UNPLACED = "tessera:gateway_prefills_unplaced_total"
+GATEWAY_PREFILLS_UNPLACED = "tessera_gateway_prefills_unplaced_total"
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ RULE_CHECKS: dict[str, Callable[[dict], bool]] = {
     ONE_SOURCE_RULE: lambda folder: ("pvc" in folder) != ("hostPath" in folder),
     crd_spec.TP_REDIS_RULE: lambda spec: spec["engine"]["tensorParallelSize"] == 1 or "redis" not in spec["kvStore"],
     crd_engine.LOOKUP_BOUNDS_RULE: lambda spec: spec["promptLookupMin"] <= spec["promptLookupMax"],
+    crd_spec.TRACING_ENDPOINT_RULE: lambda tracing: pattern_matches(crd_spec.TRACING_ENDPOINT_PATTERN,
+                                                                  tracing["endpoint"]),
     crd_spec.DEFAULT_CLASS_RULE: lambda gw: any(c["name"] == gw["defaultPriorityClass"] for c in gw["priorityClasses"]),
     crd.NAME_RULE: _name_ok,
     crd_lora.CPU_LORAS_RULE: lambda lora: lora.get("maxCpuLoras", lora["maxLoras"]) >= lora["maxLoras"],
@@ -80,7 +82,10 @@ def _check_type_header(obj: dict) -> list[FieldError]:
         errors.append(FieldError("apiVersion", f"must be {crd.API_VERSION!r} (got {obj.get('apiVersion')!r})"))
     if obj.get("kind") != crd.KIND:
         errors.append(FieldError("kind", f"must be {crd.KIND!r} (got {obj.get('kind')!r})"))
-    if not isinstance((obj.get("metadata") or {}).get("name"), str):
+    metadata = obj.get("metadata")
+    if not isinstance(metadata, dict):
+        errors.append(FieldError("metadata", f"must be a mapping with a name (got {metadata!r})"))
+    elif not isinstance(metadata.get("name"), str):
         errors.append(FieldError("metadata.name", "required"))
     return errors
 

@@ -187,8 +187,8 @@ def _pod_counters(pods: list[EnginePodProcess]) -> dict[str, tuple[float, float]
     out = {}
     for pod in pods:
         url = f"http://127.0.0.1:{pod.metrics_port}/metrics"
-        hits = scrape(url, "tessera:prefix_cache_hits_total")[""]
-        queries = scrape(url, "tessera:prefix_cache_queries_total")[""]
+        hits = scrape(url, "tessera_prefix_cache_hits_total")[""]
+        queries = scrape(url, "tessera_prefix_cache_queries_total")[""]
         out[pod.address] = (hits, queries)
     return out
 
@@ -215,7 +215,7 @@ def run_policy(policy: str, requests: list[ScheduledRequest], s: RunSettings, ta
         before = _pod_counters(pods)
         results, seconds = asyncio.run(replay(gw.base_url, requests, s.output_len, s.max_concurrency))
         after = _pod_counters(pods)
-        routed = scrape(gw.metrics_url, "tessera:gateway_routing_decisions_total", "pod")
+        routed = scrape(gw.metrics_url, "tessera_gateway_routing_decisions_total", "pod")
     return summarize(policy, results, seconds, before, after, routed)
 
 

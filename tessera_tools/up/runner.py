@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -26,8 +28,9 @@ from engine_pod.server.process import health_status
 from gateway.process import gateway_health
 from tessera.child_process import ChildProcess, free_port
 from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, SECRET_KEY, InternalSecret
-from tessera_tools.up.plan import EngineChild, LocalOptions, LocalPlan, build_plan
-from tessera_tools.up.supervisor import Supervisor
+from tessera_tools.up.plan import LocalOptions, LocalPlan, build_plan
+from tessera_tools.up.ports import check_ports
+from tessera_tools.up.supervisor import ChildFailed, Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +74,11 @@ def run(args: argparse.Namespace) -> int:
                            grpc_port=args.grpc_port, metrics_port=args.metrics_port, tenants_file=args.tenants_file,
                            redis_url=args.redis_url, pin_cpus=not args.no_pin)
     resource = load_resource(args.file)
+    # Before any child starts: a taken port is a one-line error now, not a gateway that exits at every restart.
+    check_ports(options.host, {"--http-port": options.http_port, "--grpc-port": options.grpc_port,
+                               "--metrics-port": options.metrics_port})
     redis = None
+    supervisor = Supervisor()
     if "redis" in (resource.get("spec") or {}).get("kvStore", {}) and not options.redis_url:
         redis = _start_redis(Path(args.log_dir or f".tessera/up/{resource['metadata'].get('name', 'local')}"))
         options = LocalOptions(**{**options.__dict__, "redis_url": redis.url})
@@ -79,10 +86,14 @@ def run(args: argparse.Namespace) -> int:
         plan = build_plan(resource, options, free_port)
         log_dir = Path(args.log_dir or f".tessera/up/{plan.name}")
         log_dir.mkdir(parents=True, exist_ok=True)
-        return _serve(plan, options, log_dir, args.ready_timeout)
+        return _serve(plan, options, log_dir, args.ready_timeout, supervisor)
     finally:
+        stopped = supervisor.num_stopped
         if redis is not None:
             redis.stop()
+            stopped += 1
+        if stopped:  # the last line of every run that started something
+            print(f"tessera up: stopped {stopped} process{'es' if stopped != 1 else ''}", flush=True)
 
 
 def _start_redis(workdir: Path):
@@ -101,7 +112,9 @@ def write_secret_file(path: Path, secret: InternalSecret) -> Path:
     return path
 
 
-def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout: float) -> int:
+def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout: float,
+           supervisor: Supervisor) -> int:
+    """Runs the platform's children under `supervisor` until a signal, then stops them."""
     for warning in plan.warnings:
         logger.warning("up: %s", warning)
     secret_file = write_secret_file(log_dir / SECRET_KEY, InternalSecret.generate())
@@ -114,14 +127,14 @@ def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout:
         stop["requested"] = True
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    supervisor = Supervisor()
     try:
         for engine in plan.engines:
-            supervisor.add(engine.name, _engine_starter(engine, log_dir, env), stop_order=1)
+            child = _LoggedChild(engine.args, log_dir / f"{engine.name}.log", {**env, **engine.env}, engine.cpus)
+            supervisor.add(engine.name, child.start, stop_order=1, fatal_cause=child.bind_failure)
         config_path = log_dir / "gateway.yaml"
         config_path.write_text(yaml.safe_dump(plan.gateway_config, sort_keys=False))
-        supervisor.add("gateway", lambda: ChildProcess(["gateway", "--config", str(config_path)], env=env,
-                                                       log_path=log_dir / "gateway.log"), stop_order=0)
+        gateway = _LoggedChild(["gateway", "--config", str(config_path)], log_dir / "gateway.log", env)
+        supervisor.add("gateway", gateway.start, stop_order=0, fatal_cause=gateway.bind_failure)
         _wait_ready(plan, options, supervisor, stop, ready_timeout)
         print(banner(plan, options, log_dir), flush=True)
         while not stop["requested"]:
@@ -132,6 +145,9 @@ def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout:
     except _StopRequested:
         print("tessera up: stopped before the platform was ready", flush=True)
         return 130
+    except ChildFailed as e:
+        print(f"tessera up: error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         supervisor.stop()
         secret_file.unlink(missing_ok=True)  # the next run makes its own
@@ -139,11 +155,32 @@ def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout:
             signal.signal(sig, handler)
 
 
-def _engine_starter(engine: EngineChild, log_dir: Path, env: dict[str, str]):
-    def start() -> ChildProcess:
-        return ChildProcess(engine.args, env={**env, **engine.env}, log_path=log_dir / f"{engine.name}.log",
-                            cpus=engine.cpus)
-    return start
+# What a child logs when it cannot bind a port (uvicorn, prometheus_client, the servers' own
+# "cannot listen on" errors): no restart helps, the port stays taken.
+_BIND_FAILURE = re.compile(r"address already in use|cannot listen on", re.IGNORECASE)
+
+
+class _LoggedChild:
+    """Starts one child, logging to its file, and tells from the file why the last start exited."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str], cpus: frozenset[int] | None = None):
+        self.args, self.log_path, self.env, self.cpus = args, log_path, env, cpus
+        self._log_start = 0
+
+    def start(self) -> ChildProcess:
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        return ChildProcess(self.args, env=self.env, log_path=self.log_path, cpus=self.cpus)
+
+    def bind_failure(self) -> str | None:
+        """The line of this start's log that says a port could not be bound, or None."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return None
+        found = [line.strip() for line in lines if _BIND_FAILURE.search(line)]
+        return f"{found[-1][:300]} (log: {self.log_path})" if found else None
 
 
 def _wait_ready(plan: LocalPlan, options: LocalOptions, supervisor: Supervisor, stop: dict, timeout: float) -> None:
@@ -178,11 +215,15 @@ def banner(plan: LocalPlan, options: LocalOptions, log_dir: Path) -> str:
     roles = ", ".join(f"{sum(e.role == r for e in plan.engines)} {r}"
                       for r in dict.fromkeys(e.role for e in plan.engines))
     key = "YOUR_API_KEY" if options.tenants_file else "local"
+    width = max(len(e.name) for e in plan.engines)
+    engines = "\n".join(f"  {e.name:<{width}}  gRPC {e.address}  metrics http://127.0.0.1:{e.metrics_port}/metrics"
+                         for e in plan.engines)
     return f"""
 Tessera is up: InferenceService {plan.name!r}, model {plan.model_name!r}, engine pods: {roles}
   REST     {base}/v1      (OpenAPI {base}/openapi.json)
   gRPC     {host}:{options.grpc_port}      (tessera.v1.Inference, health, reflection)
   metrics  http://{host}:{plan.metrics_port}/metrics      (the gateway's; not on the public port)
+{engines}
   logs     {log_dir}
 
 curl {base}/v1/completions -H 'Content-Type: application/json' -H 'Authorization: Bearer {key}' \\

@@ -2,7 +2,9 @@
 
 A child that exits on its own is restarted after a back-off that doubles
 (1 s, 2 s, 4 s ... up to 30 s) and resets once the child has run for a
-minute; meanwhile the gateway routes around it. Shutdown stops the gateway
+minute; meanwhile the gateway routes around it. A child whose exit has a
+cause no restart can cure (its port is taken: `fatal_cause`) ends the run
+instead (ChildFailed). Shutdown stops the gateway
 first (no new requests), then the engines (each drains its in-flight
 requests), then anything else (Redis), killing what outlives its timeout.
 """
@@ -23,12 +25,18 @@ MAX_BACKOFF_S = 30.0
 STABLE_AFTER_S = 60.0
 
 
+class ChildFailed(Exception):
+    """A child exited for a cause a restart would meet again; str(e) names the child and the cause."""
+
+
 @dataclass
 class Supervised:
     name: str
     start: Callable[[], ChildProcess]
     # Lower stops first.
     stop_order: int
+    # After an exit: why restarting cannot help (one line), or None to restart.
+    fatal_cause: Callable[[], str | None] | None = None
     process: ChildProcess | None = None
     started_at: float = 0.0
     backoff_s: float = MIN_BACKOFF_S
@@ -42,9 +50,12 @@ class Supervisor:
         self.children: dict[str, Supervised] = {}
         self.clock = clock
         self.stopping = False
+        # Children still running when stop() came, which it stopped.
+        self.num_stopped = 0
 
-    def add(self, name: str, start: Callable[[], ChildProcess], stop_order: int) -> Supervised:
-        child = Supervised(name, start, stop_order)
+    def add(self, name: str, start: Callable[[], ChildProcess], stop_order: int,
+            fatal_cause: Callable[[], str | None] | None = None) -> Supervised:
+        child = Supervised(name, start, stop_order, fatal_cause)
         self.children[name] = child
         self._launch(child)
         return child
@@ -72,6 +83,9 @@ class Supervisor:
                     child.backoff_s = MIN_BACKOFF_S
                 continue
             child.history.append(f"exited with {code}")
+            cause = child.fatal_cause() if child.fatal_cause is not None else None
+            if cause is not None:
+                raise ChildFailed(f"{child.name} exited with {code}: {cause}")
             child.restart_at = now + child.backoff_s
             logger.error("up: %s exited with %s; restarting in %.0f s", child.name, code, child.backoff_s)
             child.backoff_s = min(MAX_BACKOFF_S, child.backoff_s * 2)
@@ -79,6 +93,8 @@ class Supervisor:
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop every child in order; nothing is left running afterwards."""
         self.stopping = True
+        self.num_stopped = sum(c.process is not None and c.process.proc.poll() is None
+                               for c in self.children.values())
         for order in sorted({c.stop_order for c in self.children.values()}):
             group = [c for c in self.children.values() if c.stop_order == order and c.process is not None]
             for child in group:

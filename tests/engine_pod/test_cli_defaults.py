@@ -99,3 +99,34 @@ def test_an_engine_built_from_the_default_flags_has_the_default_configs(default_
     assert (config.attention_backend, config.speculative) == (EngineConfig.attention_backend, None)
     assert config.lora is None
     assert create_engine_config(tiny_llama, **dict(kwargs, enable_lora=True)).lora == LoRAConfig()
+
+
+# -- the pod's own flags: where it listens ----------------------------------
+
+
+def _pod_flags(*argv: str) -> argparse.Namespace:
+    """`tessera engine ARGV` as the pod's parser reads it (engine_pod/server/main.py)."""
+    from engine_pod.server.main import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["engine", "--model", "m", *argv])
+
+
+def test_a_pod_listens_on_loopback_unless_told_otherwise():
+    """The Engine API is internal: a pod started by hand is not reachable from the network."""
+    assert _pod_flags().host == "127.0.0.1"
+    assert _pod_flags("--host", "0.0.0.0").host == "0.0.0.0"
+
+
+def test_the_operator_tells_its_pods_to_listen_on_every_interface():
+    """In a cluster the gateway reaches each pod at its pod IP: the operator passes --host 0.0.0.0
+    itself rather than relying on the flag's default."""
+    from tessera_operator.reconcile import desired_objects
+    from tests.operator.conftest import make_isvc
+
+    (deployment,) = [o for o in desired_objects(make_isvc())
+                     if (o["kind"], o["metadata"]["name"]) == ("Deployment", "llama-engine")]
+    (container,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "engine"]
+    assert container["args"][0] == "engine"
+    assert _pod_flags(*container["args"][1:]).host == "0.0.0.0"

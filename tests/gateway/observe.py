@@ -30,7 +30,7 @@ def pod_metrics_url(pod) -> str:
 
 def aborted(*pods) -> float:
     """Requests the pods finished as aborted."""
-    return sum(metric_sum(pod_metrics_url(p), "tessera:request_success_total", finished_reason="abort")
+    return sum(metric_sum(pod_metrics_url(p), "tessera_request_success_total", finished_reason="abort")
                for p in pods)
 
 

@@ -48,7 +48,7 @@ def pd_platform(tiny_llama, tmp_path_factory):
 def _routing(gw) -> dict[tuple[str, str], float]:
     out = {}
     for line in httpx.get(gw.metrics_url).text.splitlines():
-        if line.startswith("tessera:gateway_routing_decisions_total{"):
+        if line.startswith("tessera_gateway_routing_decisions_total{"):
             labels, value = line.split("} ")
             fields = dict(kv.split("=") for kv in labels.split("{")[1].split(","))
             key = (fields["role"].strip('"'), fields["kind"].strip('"'))

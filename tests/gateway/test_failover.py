@@ -82,10 +82,10 @@ def test_killed_pod_is_routed_around_and_rejoins(tiny_llama, tmp_path):
             b = EnginePodProcess(tiny_llama, POD_ARGS, log_path=tmp_path / "b2.log", grpc_port=victim_port)
             b.wait_serving()
             gw.wait_ready(num_pods=2, timeout=30)
-            routed_before = metric_sum(gw.metrics_url, "tessera:gateway_routing_decisions_total", pod=b.address)
+            routed_before = metric_sum(gw.metrics_url, "tessera_gateway_routing_decisions_total", pod=b.address)
             again = asyncio.run(_load_few(gw.base_url, 12))
             assert all(r["done"] and r["error"] is None for r in again)
-            assert metric_sum(gw.metrics_url, "tessera:gateway_routing_decisions_total", pod=b.address) > routed_before
+            assert metric_sum(gw.metrics_url, "tessera_gateway_routing_decisions_total", pod=b.address) > routed_before
     finally:
         a.terminate()
         b.terminate()

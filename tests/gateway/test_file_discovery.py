@@ -74,7 +74,7 @@ def test_a_pod_leaving_the_file_drains_and_new_requests_go_elsewhere(tiny_llama,
             gw.wait_ready(num_pods=1)
 
             def routed(address):
-                return metric_sum(gw.metrics_url, "tessera:gateway_routing_decisions_total", pod=address)
+                return metric_sum(gw.metrics_url, "tessera_gateway_routing_decisions_total", pod=address)
 
             async def run():
                 async with grpc.aio.insecure_channel(gw.grpc_address) as channel:

@@ -99,7 +99,7 @@ def test_completions_and_chat_on_an_adapter_equal_the_offline_engine(lora_platfo
                                                             temperature=0, stream=True,
                                                             extra_body={"ignore_eos": True})
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == expected
-    assert metric_sum(lora_platform.metrics_url, "tessera:gateway_model_requests_total", model="a0",
+    assert metric_sum(lora_platform.metrics_url, "tessera_gateway_model_requests_total", model="a0",
                       outcome="ok") >= 2
 
 

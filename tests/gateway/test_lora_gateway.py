@@ -381,7 +381,7 @@ def test_requests_are_counted_per_model_with_bounded_labels(served_model):
 
     registry = run(served_model, [FakePod({"sql-lora": True})], scenario)
     samples = {(s.labels["model"], s.labels["outcome"]): s.value
-               for metric in registry.collect() if metric.name == "tessera:gateway_model_requests"
+               for metric in registry.collect() if metric.name == "tessera_gateway_model_requests"
                for s in metric.samples if s.name.endswith("_total")}
     assert samples == {("sql-lora", "ok"): 1, (MODEL, "ok"): 1, ("(unknown)", "rejected"): 2}
 

@@ -242,9 +242,9 @@ def test_openapi_health_and_metrics(platform):
     assert "/metrics" not in doc["paths"]
     assert platform.metrics_port not in (platform.http_port, platform.grpc_port)
     metrics = httpx.get(platform.metrics_url).text
-    assert 'tessera:gateway_requests_total{endpoint="completions",outcome="ok",priority_class="standard",' \
+    assert 'tessera_gateway_requests_total{endpoint="completions",outcome="ok",priority_class="standard",' \
            'tenant="alice"}' in metrics
-    assert "tessera:gateway_time_to_first_token_seconds_bucket" in metrics
+    assert "tessera_gateway_time_to_first_token_seconds_bucket" in metrics
 
 
 @pytest.fixture(scope="module")

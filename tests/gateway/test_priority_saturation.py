@@ -34,11 +34,11 @@ async def _ttft(http: httpx.AsyncClient, base_url: str, pclass: str, i: int) -> 
     async with http.stream("POST", base_url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             return {"class": pclass, "status": r.status_code, "body": json.loads(await r.aread())}
-        first = None
+        first_at = None
         async for line in r.aiter_lines():
-            if line.startswith("data: {") and first is None:
-                first = time.monotonic() - start
-        return {"class": pclass, "status": 200, "ttft": first}
+            if line.startswith("data: {") and first_at is None:
+                first_at = time.monotonic()
+        return {"class": pclass, "status": 200, "sent_at": start, "first_at": first_at}
 
 
 def test_high_class_overtakes_low_and_sheddable_is_refused_first(tiny_llama, tmp_path):
@@ -64,7 +64,7 @@ def test_high_class_overtakes_low_and_sheddable_is_refused_first(tiny_llama, tmp
                     return await asyncio.gather(*tasks)
 
             results = asyncio.run(run())
-            shed = metric_sum(gw.metrics_url, "tessera:gateway_rejections_total", reason="shed")
+            shed = metric_sum(gw.metrics_url, "tessera_gateway_rejections_total", reason="shed")
 
     by_class = {c["name"]: [r for r in results if r["class"] == c["name"]] for c in CLASSES}
     # High and low are never refused: they wait in the gateway's queue.
@@ -73,7 +73,16 @@ def test_high_class_overtakes_low_and_sheddable_is_refused_first(tiny_llama, tmp
     refused = [r for r in by_class["batch"] if r["status"] == 429]
     assert refused and all(r["body"]["error"]["code"] == "shed" for r in refused)
     assert shed == len(refused)
-    high = statistics.median(r["ttft"] for r in by_class["high"])
-    low = statistics.median(r["ttft"] for r in by_class["low"])
-    print(f"median TTFT high {high:.3f}s low {low:.3f}s; batch refused {len(refused)}/8")
-    assert high <= low / 2, (high, low)
+    # Order, not speed: the low requests still queued when the high ones
+    # arrived must mostly start after them. Weights 8:1 let about one low
+    # through per eight highs (2-3 of 44 seen); equal classes would let a
+    # quarter through (11 of 44 seen). A ratio of median TTFTs depended on
+    # how many lows a fast host finished before the highs were sent.
+    high_sent = min(r["sent_at"] for r in by_class["high"])
+    queued_low = sorted(r["first_at"] for r in by_class["low"] if r["first_at"] > high_sent)
+    assert len(queued_low) >= NUM_LOW // 4, "the pods were not saturated when the high class arrived"
+    high_started = statistics.median(r["first_at"] for r in by_class["high"])
+    lows_ahead = sum(1 for t in queued_low if t < high_started)
+    print(f"{len(queued_low)} low queued behind the high class; {lows_ahead} started before the median high; "
+          f"batch refused {len(refused)}/8")
+    assert lows_ahead <= len(queued_low) // 8, (lows_ahead, len(queued_low))

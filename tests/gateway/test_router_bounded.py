@@ -350,8 +350,8 @@ def test_an_unreachable_candidate_is_ejected_and_the_request_still_ranks():
     ranked, routable, metrics = asyncio.run(run())
     assert not routable and dead not in ranked
     assert sorted(ranked) == sorted(addresses(7))
-    assert metrics.registry.get_sample_value("tessera:gateway_prefix_queries_total", {"outcome": "unavailable"}) == 1
-    assert metrics.registry.get_sample_value("tessera:gateway_prefix_queries_total", {"outcome": "ok"}) == K - 1
+    assert metrics.registry.get_sample_value("tessera_gateway_prefix_queries_total", {"outcome": "unavailable"}) == 1
+    assert metrics.registry.get_sample_value("tessera_gateway_prefix_queries_total", {"outcome": "ok"}) == K - 1
 
 
 class PrefixServicer(epb_grpc.EngineServicer):
@@ -394,7 +394,7 @@ def test_prefix_query_metric_counts_every_rpc_on_real_pods():
             for _ in range(requests):
                 ranked = await router.rank("mixed", hashes, len(hashes) * BLOCK, hashes[0])
                 assert ranked[0].matched_blocks == 6 and len(ranked) == 4
-            sent = metrics.registry.get_sample_value("tessera:gateway_prefix_queries_total", {"outcome": "ok"})
+            sent = metrics.registry.get_sample_value("tessera_gateway_prefix_queries_total", {"outcome": "ok"})
             counts += [sent, sum(s.calls for s in servicers)]
         await pool.close()
         for server in servers:

@@ -1,6 +1,6 @@
 """Scale from zero (issue 18): with admission.queue_without_pods, a gateway
 with no engine pod takes requests into its queue instead of answering 503,
-exports them as tessera:gateway_queue_length (which the operator's
+exports them as tessera_gateway_queue_length (which the operator's
 autoscaler reads to lift a pool from zero: checked here on the gateway's
 real metrics text), and the queued requests complete once the first pod
 is ready. A simulated pod plays the pod that starts."""
@@ -153,7 +153,7 @@ def test_a_request_admitted_as_the_last_pod_left_waits_for_the_next(tiny_llama):
 def test_prompts_a_decode_pod_prefilled_for_want_of_a_prefill_pod_lift_the_prefill_pool(tiny_llama, tmp_path):
     """A prefill pool at zero beside serving decode pods: nothing queues, the decode pod prefills
     every prompt itself. The gateway counts the prompts that P/D would have sent to a prefill pod
-    (tessera:gateway_prefills_unplaced), and the operator lifts the prefill pool on that count's rise."""
+    (tessera_gateway_prefills_unplaced), and the operator lifts the prefill pool on that count's rise."""
     long_prompt, short_prompt = list(range(100, 180)), list(range(100, 120))
     with SimulatedPodsProcess(tiny_llama, PROFILE, 1, ["--max-model-len", "256", "--num-gpu-blocks", "64",
                                                        "--role", "decode"], log_path=tmp_path / "pod.log") as pod:

@@ -69,15 +69,15 @@ def _grouped_prefixes(tiny_llama, tmp_path, profile, index_blocks: int = 0,
             with grpc.insecure_channel(gw.grpc_address) as channel:
                 stub = pb_grpc.InferenceStub(channel)
                 results = [_complete(stub, p, 3) for p in PROMPTS]
-            queries = metric_sum(gw.metrics_url, "tessera:gateway_prefix_queries_total")
+            queries = metric_sum(gw.metrics_url, "tessera_gateway_prefix_queries_total")
             # The distinct blocks the pods pushed (0 unless router.prefix_match is pushed), once the
             # last request's blocks have been pushed (a report every 50 ms).
-            assert wait_for(lambda: metric_sum(gw.metrics_url, "tessera:gateway_pushed_prefix_blocks")
+            assert wait_for(lambda: metric_sum(gw.metrics_url, "tessera_gateway_pushed_prefix_blocks")
                             == index_blocks, timeout=5), metric_sum(gw.metrics_url,
-                                                                    "tessera:gateway_pushed_prefix_blocks")
+                                                                    "tessera_gateway_pushed_prefix_blocks")
             # Every request's dispatch is timed once, in well under the 2 s the slowest bucket allows.
-            assert metric_sum(gw.metrics_url, "tessera:gateway_dispatch_seconds_count") == len(PROMPTS)
-            assert metric_sum(gw.metrics_url, "tessera:gateway_dispatch_seconds_bucket", le="1.0") == len(PROMPTS)
+            assert metric_sum(gw.metrics_url, "tessera_gateway_dispatch_seconds_count") == len(PROMPTS)
+            assert metric_sum(gw.metrics_url, "tessera_gateway_dispatch_seconds_bucket", le="1.0") == len(PROMPTS)
     return sum(r.usage.cached_tokens for r in results), [list(r.choices[0].token_ids) for r in results], queries
 
 
@@ -176,7 +176,7 @@ def test_a_killed_host_of_pods_loses_no_request(tiny_llama, tmp_path, expected, 
                     return done_first, done_second, after
 
             done_first, done_second, after = asyncio.run(run())
-            retries = metric_sum(gw.metrics_url, "tessera:gateway_routing_decisions_total", kind="retry")
+            retries = metric_sum(gw.metrics_url, "tessera_gateway_routing_decisions_total", kind="retry")
     cut = [o for o in done_first if o["error"] is not None]
     assert cut, "no first-wave request was on the killed pods"
     for o, p in zip(done_first, first):
@@ -214,9 +214,9 @@ def test_simulated_pools_disaggregate_through_the_store(tiny_llama, tmp_path, ex
             with grpc.insecure_channel(gw.grpc_address) as channel:
                 stub = pb_grpc.InferenceStub(channel)
                 long_out, short_out = _complete(stub, long_prompt, 6), _complete(stub, short_prompt, 6)
-            prefilled = metric_sum(gw.metrics_url, "tessera:gateway_routing_decisions_total", role="prefill",
+            prefilled = metric_sum(gw.metrics_url, "tessera_gateway_routing_decisions_total", role="prefill",
                                    kind="prefill")
-        redis_hits = metric_sum(f"http://127.0.0.1:{decode.metrics_ports[0]}/metrics", "tessera:kv_store_hits_total",
+        redis_hits = metric_sum(f"http://127.0.0.1:{decode.metrics_ports[0]}/metrics", "tessera_kv_store_hits_total",
                                 tier="redis")
     assert list(long_out.choices[0].token_ids) == expected(long_prompt, 6)
     assert list(short_out.choices[0].token_ids) == expected(short_prompt, 6)

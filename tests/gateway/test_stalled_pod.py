@@ -26,7 +26,7 @@ LOAD_TIMEOUT_S = 2.0
 # The acceptance bound: nothing waits longer than the deadline + 2 s.
 BOUND_S = LOAD_TIMEOUT_S + 2.0
 IN_FLIGHT = 8
-ROUTING = "tessera:gateway_routing_decisions_total"
+ROUTING = "tessera_gateway_routing_decisions_total"
 
 
 @pytest.fixture(scope="module")

@@ -231,7 +231,7 @@ def test_engine_pod_generate_guided_and_its_metrics(engine_pods, offline_llm):
     pod = engine_pods[0]
 
     def counter(name):
-        return metric_sum(pod_metrics_url(pod), f"tessera:structured_output_{name}_total")
+        return metric_sum(pod_metrics_url(pod), f"tessera_structured_output_{name}_total")
 
     before = {name: counter(name) for name in ("requests", "compiles", "cache_hits")}
     pattern = r"[0-9]{3}-[a-z]{2}"  # no other test sends this regex
@@ -243,7 +243,7 @@ def test_engine_pod_generate_guided_and_its_metrics(engine_pods, offline_llm):
     assert counter("requests") - before["requests"] == 2
     assert counter("compiles") - before["compiles"] == 1
     assert counter("cache_hits") - before["cache_hits"] == 1
-    assert metric_sum(pod_metrics_url(pod), "tessera:structured_output_compile_seconds_total") > 0
+    assert metric_sum(pod_metrics_url(pod), "tessera_structured_output_compile_seconds_total") > 0
 
 
 @pytest.mark.parametrize("constraint,message", [

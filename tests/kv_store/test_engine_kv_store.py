@@ -103,11 +103,11 @@ def test_second_pod_loads_the_first_pods_blocks_from_redis(tiny_llama, recompute
         with EnginePodProcess(tiny_llama, POD_ARGS, env=env, log_path=tmp_path / "b.log") as pod_b:
             pod_b.wait_serving()
             second = asyncio.run(run(pod_b))
-            redis_hits = _metric(pod_b, "tessera:kv_store_hits_total", tier="redis")
-            read_bytes = _metric(pod_b, "tessera:kv_store_read_bytes_total", tier="redis")
-            loads = _metric(pod_b, "tessera:kv_store_load_seconds_count")
-            lookups = _metric(pod_b, "tessera:kv_store_lookups_total")
-            rejected = _metric(pod_b, "tessera:kv_store_rejected_values_total", tier="redis", reason="mac")
+            redis_hits = _metric(pod_b, "tessera_kv_store_hits_total", tier="redis")
+            read_bytes = _metric(pod_b, "tessera_kv_store_read_bytes_total", tier="redis")
+            loads = _metric(pod_b, "tessera_kv_store_load_seconds_count")
+            lookups = _metric(pod_b, "tessera_kv_store_lookups_total")
+            rejected = _metric(pod_b, "tessera_kv_store_rejected_values_total", tier="redis", reason="mac")
     finally:
         server.stop()
     expected = recomputed(prompts)
@@ -303,8 +303,8 @@ def test_pod_starts_and_serves_with_redis_unreachable(tiny_llama, tmp_path, reco
     with EnginePodProcess(tiny_llama, POD_ARGS + ["--kv-redis-url", dead], log_path=tmp_path / "pod.log") as pod:
         pod.wait_serving()
         results = asyncio.run(_collect_all(pod.address, [greedy(p, 12) for p in prompts]))
-        assert _metric(pod, "tessera:kv_store_redis_up") == 0
-        assert _metric(pod, "tessera:kv_store_redis_errors_total") >= 1
+        assert _metric(pod, "tessera_kv_store_redis_up") == 0
+        assert _metric(pod, "tessera_kv_store_redis_errors_total") >= 1
     assert [t for t, _ in results] == recomputed(prompts)
     assert "unreachable" in (tmp_path / "pod.log").read_text()
 

@@ -109,9 +109,9 @@ def test_refused_values_are_exposed_as_a_metric_by_tier_and_reason(redis_server)
     assert store.get_blocks([block_hash(0)]) == []
     samples = {(s.name, s.labels.get("tier"), s.labels.get("reason")): s.value
                for fam in KVStoreCollector(store, "m").collect() for s in fam.samples}
-    assert samples[("tessera:kv_store_rejected_values_total", "redis", "truncated")] == 1
-    assert samples[("tessera:kv_store_rejected_values_total", "redis", "mac")] == 0
-    assert samples[("tessera:kv_store_rejected_values_total", "host", "mac")] == 0
+    assert samples[("tessera_kv_store_rejected_values_total", "redis", "truncated")] == 1
+    assert samples[("tessera_kv_store_rejected_values_total", "redis", "mac")] == 0
+    assert samples[("tessera_kv_store_rejected_values_total", "host", "mac")] == 0
 
 
 def test_write_behind_drops_when_the_queue_is_full(redis_server):

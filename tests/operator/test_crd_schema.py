@@ -11,6 +11,7 @@ import yaml
 
 from kv_store.block_hash import DEFAULT_BLOCK_SIZE
 from tessera_operator import InvalidInferenceService, crd, validate_inference_service
+from tessera_operator.schema_check import json_schema
 from tessera_operator.validation import RULE_CHECKS
 
 from .conftest import CHART, EXAMPLES, load_example, make_isvc
@@ -19,25 +20,9 @@ K8S_VERSIONS = ["1.30.0", "1.37.0"]
 
 
 def strict_schema() -> dict:
-    """The CRD schema as kubectl's strict field validation applies it: unknown fields are errors.
-
-    The CRD itself cannot say additionalProperties: false next to properties (the API server
-    forbids it in structural schemas), so the reference validator gets it added here.
-    """
-    schema = copy.deepcopy(crd.openapi_schema())
-
-    def close(node):
-        if isinstance(node, dict):
-            if "properties" in node and node is not schema["properties"]["metadata"]:
-                node["additionalProperties"] = False
-            for value in node.values():
-                close(value)
-        elif isinstance(node, list):
-            for value in node:
-                close(value)
-
-    close(schema)
-    return schema
+    """The CRD schema as kubectl's strict field validation applies it: unknown fields are errors
+    (the one conversion, `tessera validate`'s)."""
+    return json_schema(crd.openapi_schema())
 
 
 def reference_errors(obj: dict) -> list[str]:
@@ -199,6 +184,13 @@ def test_long_or_odd_names_are_rejected():
         with pytest.raises(InvalidInferenceService, match="metadata.name"):
             validate_inference_service(make_isvc(name=name))
     validate_inference_service(make_isvc(name="a" * 50))
+
+
+def test_metadata_that_is_not_a_mapping_is_an_error_not_a_crash():
+    obj = make_isvc(name="ok")
+    obj["metadata"] = "x"
+    with pytest.raises(InvalidInferenceService, match="metadata: must be a mapping"):
+        validate_inference_service(obj)
 
 
 def test_yaml_file_round_trip(tmp_path):

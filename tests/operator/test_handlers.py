@@ -174,15 +174,15 @@ def test_timer_puts_back_a_hand_edited_replica_count(cluster, events):
     assert cluster.deployment("ml", "llama-engine")["spec"]["replicas"] == 2
 
 
-ENGINE_METRICS = """# TYPE tessera:num_requests_waiting gauge
-tessera:num_requests_waiting{{model_name="m"}} {waiting}
-# TYPE tessera:num_requests_running gauge
-tessera:num_requests_running{{model_name="m"}} {running}
-# TYPE tessera:kv_cache_usage_perc gauge
-tessera:kv_cache_usage_perc{{model_name="m"}} {kv}
+ENGINE_METRICS = """# TYPE tessera_num_requests_waiting gauge
+tessera_num_requests_waiting{{model_name="m"}} {waiting}
+# TYPE tessera_num_requests_running gauge
+tessera_num_requests_running{{model_name="m"}} {running}
+# TYPE tessera_kv_cache_usage_perc gauge
+tessera_kv_cache_usage_perc{{model_name="m"}} {kv}
 """
-GATEWAY_METRICS = """# TYPE tessera:gateway_queue_length gauge
-tessera:gateway_queue_length{{priority_class="standard"}} {queued}
+GATEWAY_METRICS = """# TYPE tessera_gateway_queue_length gauge
+tessera_gateway_queue_length{{priority_class="standard"}} {queued}
 """
 
 

@@ -105,3 +105,26 @@ def test_real_kopf_serves_liveness_with_our_handlers():
         stop.set()
         thread.join(15)
     assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("kubeconfig", ["missing", "empty"])
+def test_without_a_cluster_the_operator_says_so_in_one_line(tmp_path, kubeconfig):
+    """No in-cluster service account and no usable kubeconfig: one line naming the cause and the
+    fix, a non-zero exit, no traceback (the real command, as a user runs it)."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "kubeconfig"
+    if kubeconfig == "empty":
+        path.write_text("apiVersion: v1\nkind: Config\nclusters: []\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    env.update(KUBECONFIG=str(path), HOME=str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "tessera_tools.cli", "operator", "-A", "--liveness-port", "0"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("tessera operator: error: no Kubernetes cluster configured")
+    assert f"kubeconfig {path}" in lines[0]
+    assert lines[0].endswith("set KUBECONFIG to a kubeconfig file, or run in a pod with a service account")

@@ -95,3 +95,29 @@ reconcile path against a recording fake and compares).
   resources: ["events"]
   verbs: ["create"]
 {{- end -}}
+
+{{- define "tessera.monitoringLabels" -}}
+app.kubernetes.io/name: {{ include "tessera.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: monitoring
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- with .Values.monitoring.labels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The namespaces where InferenceServices' pods run, as a monitor's namespaceSelector.
+*/}}
+{{- define "tessera.monitoredNamespaces" -}}
+{{- if .Values.clusterWide -}}
+any: true
+{{- else -}}
+matchNames:
+{{- range (include "tessera.watchedNamespaces" . | fromJsonArray) }}
+  - {{ . }}
+{{- end }}
+{{- end -}}
+{{- end -}}

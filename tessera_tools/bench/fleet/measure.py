@@ -4,11 +4,11 @@ the trace (a snapshot is a flat dict of floats; a run's figure is the
 difference).
 
 Sources:
-- hit rate: the gateways' tessera:gateway_cached_prompt_tokens_total /
-  tessera:gateway_prompt_tokens_total, which sum the `usage` of every
+- hit rate: the gateways' tessera_gateway_cached_prompt_tokens_total /
+  tessera_gateway_prompt_tokens_total, which sum the `usage` of every
   response (prompt_tokens_details.cached_tokens / prompt_tokens); the
-  pods' tessera:prefix_cache_hits_total / _queries_total as a cross-check.
-- prefix-query RPCs: tessera:gateway_prefix_queries_total, by outcome.
+  pods' tessera_prefix_cache_hits_total / _queries_total as a cross-check.
+- prefix-query RPCs: tessera_gateway_prefix_queries_total, by outcome.
 - CPU: utime + stime of /proc/<pid>/stat (every thread of the process).
 - gateway-added latency: the gateways' GATEWAY_ADDED_LATENCY_METRIC histogram
   (arrival to the first engine call sent, less the admission queue wait);
@@ -30,23 +30,23 @@ from prometheus_client.parser import text_string_to_metric_families
 # arrival at the gateway -> the engine call sent to the chosen pod (auth,
 # tokenization, admission, routing with its prefix queries). Not exposed by
 # the gateway yet.
-GATEWAY_ADDED_LATENCY_METRIC = "tessera:gateway_dispatch_seconds"
+GATEWAY_ADDED_LATENCY_METRIC = "tessera_gateway_dispatch_seconds"
 
 # Sample name -> snapshot key; "key/label" splits the key by that label's value.
 GATEWAY_SAMPLES = {
-    "tessera:gateway_prompt_tokens_total": "prompt_tokens",
-    "tessera:gateway_cached_prompt_tokens_total": "cached_tokens",
-    "tessera:gateway_routed_prefix_hit_tokens_total": "routed_hit_tokens",
-    "tessera:gateway_prefix_queries_total": "prefix_queries/outcome",
-    "tessera:gateway_time_to_first_token_seconds_sum": "gateway_ttft_sum",
-    "tessera:gateway_time_to_first_token_seconds_count": "gateway_ttft_count",
+    "tessera_gateway_prompt_tokens_total": "prompt_tokens",
+    "tessera_gateway_cached_prompt_tokens_total": "cached_tokens",
+    "tessera_gateway_routed_prefix_hit_tokens_total": "routed_hit_tokens",
+    "tessera_gateway_prefix_queries_total": "prefix_queries/outcome",
+    "tessera_gateway_time_to_first_token_seconds_sum": "gateway_ttft_sum",
+    "tessera_gateway_time_to_first_token_seconds_count": "gateway_ttft_count",
     f"{GATEWAY_ADDED_LATENCY_METRIC}_bucket": "added_latency_bucket/le",
 }
 POD_SAMPLES = {
-    "tessera:prefix_cache_hits_total": "pod_hit_tokens",
-    "tessera:prefix_cache_queries_total": "pod_query_tokens",
-    "tessera:time_to_first_token_seconds_sum": "pod_ttft_sum",
-    "tessera:time_to_first_token_seconds_count": "pod_ttft_count",
+    "tessera_prefix_cache_hits_total": "pod_hit_tokens",
+    "tessera_prefix_cache_queries_total": "pod_query_tokens",
+    "tessera_time_to_first_token_seconds_sum": "pod_ttft_sum",
+    "tessera_time_to_first_token_seconds_count": "pod_ttft_count",
 }
 SCRAPE_THREADS = 16
 

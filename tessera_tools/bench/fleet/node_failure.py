@@ -2,10 +2,10 @@
 once, then watch each gateway until it stops routing to their pods.
 
 From the kill on, every FAST_POLL_S each gateway's /metrics gives
-- `tessera:gateway_pods_routable{role="mixed"}`: the gateway has stopped
+- `tessera_gateway_pods_routable{role="mixed"}`: the gateway has stopped
   routing to the killed pods once it has dropped by their number (from the
   value read just before the kill);
-- `tessera:gateway_routing_decisions_total` of the killed pods (every
+- `tessera_gateway_routing_decisions_total` of the killed pods (every
   kind: route, retry): the last poll at which it grew is the last time a
   killed pod got a routing decision (to within a poll).
 Once every gateway has dropped, polls slow to SLOW_POLL_S until stop().
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from engine_pod.server.process import SimulatedPodsProcess
 from tessera_tools.bench.fleet.elastic_fleet import fetch_text
 
-ROUTABLE = "tessera:gateway_pods_routable"
-ROUTED = "tessera:gateway_routing_decisions_total"
+ROUTABLE = "tessera_gateway_pods_routable"
+ROUTED = "tessera_gateway_routing_decisions_total"
 FAST_POLL_S = 0.05
 SLOW_POLL_S = 0.25
 _POD_LABEL = re.compile(r'pod="([^"]*)"')

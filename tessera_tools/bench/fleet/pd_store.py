@@ -20,13 +20,13 @@ from kv_store.local_redis import RedisServer
 REDIS_STATS = ("keyspace_hits", "keyspace_misses", "evicted_keys", "expired_keys")
 # A pool's KV-store counters in the report: (metric sample, labels it must carry), summed over pods.
 KV_COUNTERS = {
-    "redis_hits": ("tessera:kv_store_hits_total", {"tier": "redis"}),
-    "redis_read_bytes": ("tessera:kv_store_read_bytes_total", {"tier": "redis"}),
-    "redis_written_bytes": ("tessera:kv_store_written_bytes_total", {"tier": "redis"}),
-    "rejected_values": ("tessera:kv_store_rejected_values_total", {}),
+    "redis_hits": ("tessera_kv_store_hits_total", {"tier": "redis"}),
+    "redis_read_bytes": ("tessera_kv_store_read_bytes_total", {"tier": "redis"}),
+    "redis_written_bytes": ("tessera_kv_store_written_bytes_total", {"tier": "redis"}),
+    "rejected_values": ("tessera_kv_store_rejected_values_total", {}),
 }
 # The gateways' engine calls by kind (gateway/metrics.py): route, retry, prefill, decode.
-ROUTING = "tessera:gateway_routing_decisions_total"
+ROUTING = "tessera_gateway_routing_decisions_total"
 
 
 @contextlib.contextmanager

@@ -17,17 +17,17 @@ LATE_SEND_S = 0.5
 
 SOURCES = {
     "hit_rate": "cached prompt tokens / prompt tokens from the usage of every response, as the gateways sum it "
-                "(tessera:gateway_cached_prompt_tokens_total / tessera:gateway_prompt_tokens_total, all replicas)",
-    "pod_counter_hit_rate": "the pods' tessera:prefix_cache_hits_total / tessera:prefix_cache_queries_total "
+                "(tessera_gateway_cached_prompt_tokens_total / tessera_gateway_prompt_tokens_total, all replicas)",
+    "pod_counter_hit_rate": "the pods' tessera_prefix_cache_hits_total / tessera_prefix_cache_queries_total "
                             "(counts a preempted request's lookups again)",
     "routed_hit_rate": "tokens the chosen pod said it held when routed / prompt tokens "
-                       "(tessera:gateway_routed_prefix_hit_tokens_total): what the router believed",
+                       "(tessera_gateway_routed_prefix_hit_tokens_total): what the router believed",
     "ttft_itl": "client side, per streamed chunk (tessera bench serve's definitions); ITL pools every gap",
     "goodput_rps": "requests/s over the run that met every SLO (itl: a request's mean inter-token latency, "
                    "serve's TPOT)",
     "gateway_cpu_s": "utime + stime of /proc/<pid>/stat of every gateway process, during the trace",
     "gateway_idle_cpu_per_s": "the gateways' CPU seconds per second before the trace: load reports alone",
-    "prefix_queries_per_request": "tessera:gateway_prefix_queries_total (Engine.GetLoad RPCs, every outcome) / "
+    "prefix_queries_per_request": "tessera_gateway_prefix_queries_total (Engine.GetLoad RPCs, every outcome) / "
                                   "requests sent",
     "gateway_added_latency": f"p50/p99 of the histogram {GATEWAY_ADDED_LATENCY_METRIC} (arrival at the gateway -> "
                              "engine call sent, less the admission queue wait)",

@@ -62,7 +62,7 @@ def test_two_hundred_concurrent_streams(pod, offline):
 
 def test_cancelled_stream_frees_its_blocks(pod):
 
-    aborted = ("tessera:request_success_total", (("finished_reason", "abort"),))
+    aborted = ("tessera_request_success_total", (("finished_reason", "abort"),))
     before = scrape_metrics(pod)
 
     async def run():

@@ -41,5 +41,5 @@ def test_exported_as_a_counter():
     clock.now += 2.0
     [family] = InFlightCollector(seconds, "llama").collect()
     [sample] = family.samples
-    assert family.type == "counter" and sample.name == "tessera:request_in_flight_seconds_total"
+    assert family.type == "counter" and sample.name == "tessera_request_in_flight_seconds_total"
     assert sample.labels == {"model_name": "llama"} and sample.value == pytest.approx(6.0)

@@ -69,10 +69,10 @@ def test_generate_on_an_adapter_and_on_the_base(lora_pod, tiny_llama, tiny_llama
     assert adapter.name == "a0" and adapter.resident and len(adapter.fingerprint) == 64
     metrics = scrape_metrics(lora_pod)
     a0 = (("lora_name", "a0"),)
-    assert metrics[("tessera:lora_requests_total", a0)] == len(PROMPTS)
-    assert metrics[("tessera:lora_generation_tokens_total", a0)] == len(PROMPTS) * MAX_TOKENS
-    assert metrics[("tessera:lora_adapter_resident", a0)] == 1.0
-    assert 0 < metrics[("tessera:lora_load_seconds", a0)] < 30
+    assert metrics[("tessera_lora_requests_total", a0)] == len(PROMPTS)
+    assert metrics[("tessera_lora_generation_tokens_total", a0)] == len(PROMPTS) * MAX_TOKENS
+    assert metrics[("tessera_lora_adapter_resident", a0)] == 1.0
+    assert 0 < metrics[("tessera_lora_load_seconds", a0)] < 30
 
 
 def test_an_unknown_adapter_is_not_found(lora_pod):

@@ -21,17 +21,17 @@ def test_metrics_move_as_expected(pod):
     def delta(name, labels=()):
         return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
 
-    assert delta("tessera:prompt_tokens_total") == 60
-    assert delta("tessera:generation_tokens_total") == 24
-    assert delta("tessera:request_success_total", (("finished_reason", "length"),)) == 3
-    assert delta("tessera:prefix_cache_queries_total") == 60
-    assert delta("tessera:time_to_first_token_seconds_count") == 3
-    assert delta("tessera:request_queue_time_seconds_count") == 3
-    assert delta("tessera:e2e_request_latency_seconds_count") == 3
-    assert delta("tessera:inter_token_latency_seconds_count") == sum(n - 1 for n in max_tokens)
-    assert delta("tessera:e2e_request_latency_seconds_sum") > 0
-    assert after[("tessera:num_requests_running", ())] == 0
-    assert after[("tessera:kv_cache_usage_perc", ())] == 0
+    assert delta("tessera_prompt_tokens_total") == 60
+    assert delta("tessera_generation_tokens_total") == 24
+    assert delta("tessera_request_success_total", (("finished_reason", "length"),)) == 3
+    assert delta("tessera_prefix_cache_queries_total") == 60
+    assert delta("tessera_time_to_first_token_seconds_count") == 3
+    assert delta("tessera_request_queue_time_seconds_count") == 3
+    assert delta("tessera_e2e_request_latency_seconds_count") == 3
+    assert delta("tessera_inter_token_latency_seconds_count") == sum(n - 1 for n in max_tokens)
+    assert delta("tessera_e2e_request_latency_seconds_sum") > 0
+    assert after[("tessera_num_requests_running", ())] == 0
+    assert after[("tessera_kv_cache_usage_perc", ())] == 0
 
 
 def test_request_span_is_a_child_of_the_callers_trace(tiny_llama, tmp_path, otlp_collector):
@@ -52,7 +52,7 @@ def test_request_span_is_a_child_of_the_callers_trace(tiny_llama, tmp_path, otlp
         tokens, _ = asyncio.run(run())
         assert len(tokens) == 3
     # SIGTERM shut the pod down, which flushes its span processor.
-    spans = collector.named("engine.generate")
+    spans = collector.named("tessera.v1.Engine/Generate")
     assert len(spans) == 1
     span = spans[0]
     assert span.trace_id.hex() == trace_id

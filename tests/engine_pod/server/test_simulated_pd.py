@@ -94,10 +94,10 @@ def test_the_decode_pod_loads_the_prefill_pods_blocks(pd_pods, tiny_llama):
 
     value_bytes = len(redis.client.get(_redis_key(redis, hash_request_tokens(prompt, BLOCK)[0])))
     assert value_bytes == HEADER_SIZE + 2 * 4 * 2 * 64 * BLOCK * 4  # tiny: 4 layers, 2 KV heads of 64, float32
-    assert grew(before_p, after_p, "tessera:kv_store_written_bytes_total", tier="redis") == 6 * value_bytes
-    assert grew(before_d, after_d, "tessera:kv_store_hits_total", tier="redis") == 6
-    assert grew(before_d, after_d, "tessera:kv_store_read_bytes_total", tier="redis") == 6 * value_bytes
-    assert grew(before_d, after_d, "tessera:kv_store_rejected_values_total", tier="redis", reason="mac") == 0
+    assert grew(before_p, after_p, "tessera_kv_store_written_bytes_total", tier="redis") == 6 * value_bytes
+    assert grew(before_d, after_d, "tessera_kv_store_hits_total", tier="redis") == 6
+    assert grew(before_d, after_d, "tessera_kv_store_read_bytes_total", tier="redis") == 6 * value_bytes
+    assert grew(before_d, after_d, "tessera_kv_store_rejected_values_total", tier="redis", reason="mac") == 0
     # The decode pod's prefix cache now holds the prompt's blocks, and its load reports say so.
     assert load(decode.addresses[0], hash_request_tokens(prompt, BLOCK)).matched_prefix_blocks == 6
 
@@ -119,9 +119,9 @@ def test_a_tampered_stored_value_is_refused_and_recomputed(pd_pods, tiny_llama):
     after = _metrics(decode)
     assert tokens == simulated_output(prompt, 5, 8192, load_eos_token_ids(tiny_llama))
     assert cached == 0  # the run of blocks stops at the first, refused one
-    rejected = ("tessera:kv_store_rejected_values_total", (("reason", "mac"), ("tier", "redis")))
+    rejected = ("tessera_kv_store_rejected_values_total", (("reason", "mac"), ("tier", "redis")))
     assert after[rejected] - before[rejected] == 1
-    hits = ("tessera:kv_store_hits_total", (("tier", "redis"),))
+    hits = ("tessera_kv_store_hits_total", (("tier", "redis"),))
     assert after[hits] == before[hits]
 
 

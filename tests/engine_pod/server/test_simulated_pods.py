@@ -90,7 +90,7 @@ def test_load_reports_carry_the_prefill_backlog_while_a_prompt_prefills(sim_pods
 def test_metrics_and_health_per_pod(sim_pods):
     asyncio.run(generate_all(sim_pods.addresses[2], [greedy([5, 6, 7], 3)]))
     samples = scrape_metrics(SimpleNamespace(metrics_port=sim_pods.metrics_ports[2]))
-    assert samples[("tessera:generation_tokens_total", ())] >= 3
+    assert samples[("tessera_generation_tokens_total", ())] >= 3
     assert all(health_status(a) == health_pb2.HealthCheckResponse.SERVING for a in sim_pods.addresses)
 
 
@@ -99,7 +99,7 @@ def test_request_seconds_in_flight_add_up_the_requests_lifetimes(sim_pods):
     grows by about the sum of their times in the engine, which the end-to-end
     histogram (arrival at the gRPC handler to its end) bounds from above."""
     port = SimpleNamespace(metrics_port=sim_pods.metrics_ports[1])
-    key, e2e = ("tessera:request_in_flight_seconds_total", ()), ("tessera:e2e_request_latency_seconds_sum", ())
+    key, e2e = ("tessera_request_in_flight_seconds_total", ()), ("tessera_e2e_request_latency_seconds_sum", ())
     before = scrape_metrics(port)
     asyncio.run(generate_all(sim_pods.addresses[1], [greedy(list(range(300 + i, 340 + i)), 8, ignore_eos=True)
                                                      for i in range(4)]))

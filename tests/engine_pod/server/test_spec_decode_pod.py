@@ -30,9 +30,9 @@ def test_pod_speculates_and_counts_drafts(tiny_llama, tmp_path):
     def delta(name):
         return after.get((name, ()), 0.0) - before.get((name, ()), 0.0)
 
-    drafts = delta("tessera:spec_decode_num_drafts_total")
-    draft_tokens = delta("tessera:spec_decode_num_draft_tokens_total")
-    accepted = delta("tessera:spec_decode_num_accepted_tokens_total")
+    drafts = delta("tessera_spec_decode_num_drafts_total")
+    draft_tokens = delta("tessera_spec_decode_num_draft_tokens_total")
+    accepted = delta("tessera_spec_decode_num_accepted_tokens_total")
     assert drafts > 0 and 0 < accepted <= draft_tokens <= drafts * SPEC["num_speculative_tokens"]
     # Steps that emit several tokens count each of them.
-    assert delta("tessera:generation_tokens_total") == sum(max_tokens)
+    assert delta("tessera_generation_tokens_total") == sum(max_tokens)

@@ -169,16 +169,16 @@ def test_the_acceptance_counts_both_pools_pod_minutes_together():
 
 # -- what went through the store ---------------------------------------------------------
 def test_the_pools_kv_store_counters_and_the_gateways_calls_by_kind():
-    pod = ('tessera:kv_store_hits_total{model_name="m",tier="redis"} 6.0\n'
-           'tessera:kv_store_hits_total{model_name="m",tier="host"} 50.0\n'
-           'tessera:kv_store_read_bytes_total{model_name="m",tier="redis"} 600.0\n'
-           'tessera:kv_store_rejected_values_total{model_name="m",tier="redis",reason="mac"} 1.0\n')
+    pod = ('tessera_kv_store_hits_total{model_name="m",tier="redis"} 6.0\n'
+           'tessera_kv_store_hits_total{model_name="m",tier="host"} 50.0\n'
+           'tessera_kv_store_read_bytes_total{model_name="m",tier="redis"} 600.0\n'
+           'tessera_kv_store_rejected_values_total{model_name="m",tier="redis",reason="mac"} 1.0\n')
     counters = kv_store_counters([pod, pod.replace("6.0", "4.0")])
     assert counters == {"redis_hits": 10.0, "redis_read_bytes": 1200.0, "redis_written_bytes": 0.0,
                         "rejected_values": 2.0}
-    gateway = ('tessera:gateway_routing_decisions_total{kind="prefill",pod="a:1",role="prefill"} 3.0\n'
-               'tessera:gateway_routing_decisions_total{kind="decode",pod="b:1",role="decode"} 3.0\n'
-               'tessera:gateway_routing_decisions_total{kind="route",pod="b:1",role="decode"} 2.0\n')
+    gateway = ('tessera_gateway_routing_decisions_total{kind="prefill",pod="a:1",role="prefill"} 3.0\n'
+               'tessera_gateway_routing_decisions_total{kind="decode",pod="b:1",role="decode"} 3.0\n'
+               'tessera_gateway_routing_decisions_total{kind="route",pod="b:1",role="decode"} 2.0\n')
     assert routing_by_kind([gateway, gateway]) == {"prefill": 6.0, "decode": 6.0, "route": 4.0}
 
 

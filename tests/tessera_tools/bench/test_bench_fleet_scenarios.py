@@ -62,19 +62,19 @@ def _listed(pods_file: PodsFile) -> list[str]:
 
 
 def pod_text(waiting=0.0, running=0.0, kv=0.0, ttft_sum=0.0, ttft_count=0.0, in_flight_s=None) -> str:
-    text = (f"tessera:num_requests_waiting {waiting}\ntessera:num_requests_running {running}\n"
-            f"tessera:kv_cache_usage_perc {kv}\ntessera:time_to_first_token_seconds_sum {ttft_sum}\n"
-            f"tessera:time_to_first_token_seconds_count {ttft_count}\n")
+    text = (f"tessera_num_requests_waiting {waiting}\ntessera_num_requests_running {running}\n"
+            f"tessera_kv_cache_usage_perc {kv}\ntessera_time_to_first_token_seconds_sum {ttft_sum}\n"
+            f"tessera_time_to_first_token_seconds_count {ttft_count}\n")
     if in_flight_s is not None:
-        text += ("# TYPE tessera:request_in_flight_seconds counter\n"
-                 f"tessera:request_in_flight_seconds_total {in_flight_s}\n")
+        text += ("# TYPE tessera_request_in_flight_seconds counter\n"
+                 f"tessera_request_in_flight_seconds_total {in_flight_s}\n")
     return text
 
 
 def gateway_text(queued: int, prefills_unplaced: int = 0) -> str:
-    return (f'tessera:gateway_queue_length{{priority_class="interactive"}} {queued}\n'
-            'tessera:gateway_queue_length{priority_class="batch"} 0\n'
-            f'tessera:gateway_prefills_unplaced_total {prefills_unplaced}\n')
+    return (f'tessera_gateway_queue_length{{priority_class="interactive"}} {queued}\n'
+            'tessera_gateway_queue_length{priority_class="batch"} 0\n'
+            f'tessera_gateway_prefills_unplaced_total {prefills_unplaced}\n')
 
 
 class Harness:
@@ -299,10 +299,10 @@ def test_a_tenth_of_the_processes_die_rounded_up_and_some_survive():
 
 
 def test_the_watch_reads_routable_pods_and_the_killed_pods_routing_decisions():
-    text = ('tessera:gateway_pods_routable{role="mixed"} 14.0\ntessera:gateway_pods_routable{role="decode"} 3.0\n'
-            'tessera:gateway_routing_decisions_total{kind="route",pod="a:1",role="mixed"} 5.0\n'
-            'tessera:gateway_routing_decisions_total{kind="retry",pod="a:1",role="mixed"} 2.0\n'
-            'tessera:gateway_routing_decisions_total{kind="route",pod="b:1",role="mixed"} 9.0\n')
+    text = ('tessera_gateway_pods_routable{role="mixed"} 14.0\ntessera_gateway_pods_routable{role="decode"} 3.0\n'
+            'tessera_gateway_routing_decisions_total{kind="route",pod="a:1",role="mixed"} 5.0\n'
+            'tessera_gateway_routing_decisions_total{kind="retry",pod="a:1",role="mixed"} 2.0\n'
+            'tessera_gateway_routing_decisions_total{kind="route",pod="b:1",role="mixed"} 9.0\n')
     assert routable_and_routed(text, {"a:1"}) == (14.0, 7.0)
     assert routable_and_routed(text, {"c:1"}) == (14.0, 0.0)
 

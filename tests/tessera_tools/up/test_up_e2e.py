@@ -111,7 +111,7 @@ def test_up_serves_rest_and_grpc_and_sigint_leaves_no_process(up):
         assert [v for v in environ if v.startswith(b"TESSERA_INTERNAL_SECRET=")] == [b"TESSERA_INTERNAL_SECRET="]
     # /metrics on the port the banner names, not on the public one.
     metrics_url = re.search(r"metrics\s+(http://\S+/metrics)", Path(up.log.name).read_text()).group(1)
-    assert "tessera:gateway" in httpx.get(metrics_url, timeout=5).text
+    assert "tessera_gateway" in httpx.get(metrics_url, timeout=5).text
     assert httpx.get(up.base_url + "/metrics", timeout=5).status_code == 404
     r = up.complete()
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
