@@ -360,13 +360,6 @@ def create_engine_config(
     kv_store = KVStoreConfig(kv_host_bytes, kv_redis_url, kv_redis_ttl, kv_redis_cluster, kv_write_queue_size,
                              kv_redis_key_prefix, kv_redis_ca_file, kv_redis_cert_file, kv_redis_key_file,
                              kv_mac_key)
-    if kv_store.enabled and tensor_parallel_size > 1:
-        # Each rank would have to load and save its own shard of every block
-        # (the codec keys blocks per rank); not built yet.
-        raise ValueError(
-            f"the KV store (kv_host_bytes / kv_redis_url) does not support tensor_parallel_size="
-            f"{tensor_parallel_size} yet; use tensor_parallel_size=1 or turn the KV store off"
-        )
     try:
         policy = SchedulingPolicy(scheduling_policy)
     except ValueError:

@@ -1,4 +1,6 @@
-"""The wire format of one KV block: every layer's K and V of one TP rank.
+"""The wire format of one KV block: every layer's K and V of one TP rank's
+KV heads (engines store whole blocks, rank 0 of 1, whatever their TP degree:
+engine_pod/engine/kv_store_factory.py).
 
     fields (fixed size, little endian) | MAC (32 bytes) | payload (the block's raw bytes)
 

@@ -40,7 +40,7 @@ _E2E_PATHS = (
     "tests/gateway/test_simulated_fleet.py", "tests/gateway/test_scale_from_zero.py",
     "tests/gateway/test_file_discovery.py", "tests/gateway/test_lora_e2e.py",
     "tests/gateway/test_front_door.py", "tests/tessera_tools/up/test_up_monitoring.py",
-    "tests/tessera_tools/up/test_up_rough_edges.py",
+    "tests/tessera_tools/up/test_up_rough_edges.py", "tests/kv_store/test_kv_store_tensor_parallel.py",
 )
 
 

@@ -44,13 +44,32 @@ class KVConnectorMetadata:
 
     # (block id, block hash): evicted from the prefix cache, copy to the host tier first.
     offloads: list[tuple[int, bytes]] = field(default_factory=list)
-    # (block id, the block's payload as the store decoded it: kv_store/codec.py) to write in.
-    loads: list[tuple[int, memoryview]] = field(default_factory=list)
+    # (block id, the whole block's payload as the store decoded it: kv_store/codec.py) to write in
+    # (each rank writes its own KV heads; a view of the stored value, or its bytes once it crossed to a worker).
+    loads: list[tuple[int, memoryview | bytes]] = field(default_factory=list)
     # (block id, block hash, write to Redis before the step returns) filled this step.
     saves: list[tuple[int, bytes, bool]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.offloads or self.loads or self.saves)
+
+    @property
+    def reads_blocks(self) -> bool:
+        """Whether the runner reads blocks back for the store this step (every rank then replies)."""
+        return bool(self.offloads or self.saves)
+
+
+@dataclass
+class KVConnectorOutput:
+    """One rank's KV heads of the blocks its step's KVConnectorMetadata
+    offloads and saves; the executor assembles every rank's into whole blocks
+    and puts them into the store (engine_pod/executor/kv_store_writer.py).
+    The values are engine_pod/worker/kv_shards.RankBlocks (core imports no torch)."""
+
+    offloaded: Any = None
+    """This rank's heads of the offloaded blocks, in the metadata's order (None: no offloads)."""
+    saved: Any = None
+    """This rank's heads of the saved blocks, in the metadata's order (None: no saves)."""
 
 
 @dataclass
@@ -105,6 +124,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     # Speculative decoding: request id -> drafts proposed for its next step.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Blocks read back for the KV store this step (every rank's; the executor consumes it).
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass

@@ -14,7 +14,11 @@ from kv_store.tiered_store import TieredKVStore
 SIMULATED_FINGERPRINT_TAG = "simulated"
 
 
-def build_kv_store(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> TieredKVStore:
+def build_kv_store(config: EngineConfig) -> TieredKVStore:
+    """Whole blocks (every KV head: rank 0 of 1 in the layout and the keys)
+    whatever the engine's TP degree, so engines of any degree share values;
+    under TP the executor assembles them from the ranks' heads
+    (engine_pod/worker/kv_shards.py)."""
     arch, kv = config.model.arch, config.kv_store
     dtype_name = config.model.kv_dtype_name
     # The format version is part of what a value must match: values of
@@ -22,12 +26,13 @@ def build_kv_store(config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> 
     extra = f"kv-format-{FORMAT_VERSION}" + (f":{SIMULATED_FINGERPRINT_TAG}" if config.simulated else "")
     fingerprint = model_fingerprint(config.model.path, dtype_name, extra=extra)
     layout = BlockLayout(
-        fingerprint=fingerprint, tp_rank=tp_rank, tp_size=tp_size, num_layers=arch.num_hidden_layers,
+        fingerprint=fingerprint, tp_rank=0, tp_size=1, num_layers=arch.num_hidden_layers,
         block_size=config.cache.block_size, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
         dtype=dtype_name,
     )
     remote = None
     if kv.redis_url is not None:
-        remote = RedisTier(kv.redis_tier_config(), namespace=f"{fingerprint.hex()}:{tp_rank}/{tp_size}:")
+        namespace = f"{fingerprint.hex()}:{layout.tp_rank}/{layout.tp_size}:"
+        remote = RedisTier(kv.redis_tier_config(), namespace=namespace)
     codec = BlockCodec(layout, kv.mac_key)
     return TieredKVStore(codec, HostMemoryTier(kv.host_bytes), remote, kv.write_queue_size)

@@ -17,7 +17,8 @@ class Executor(ABC):
 
     @abstractmethod
     def attach_kv_store(self, store) -> None:
-        """Give the worker(s) the KV store their connector moves blocks through."""
+        """Use the KV store: the worker(s) copy loaded blocks in and read
+        blocks to save back; the executor puts those into the store."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...

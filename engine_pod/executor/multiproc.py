@@ -6,6 +6,12 @@ every rank through a shared-memory ring (distributed/shm_broadcast.py);
 results come back from rank 0 over its pipe. The engine core sees the same
 interface as at TP=1 and never learns how many workers there are.
 
+With a KV store, the store stays in this process and holds whole blocks:
+loads travel to every rank in the broadcast (each copies in its KV heads);
+on steps that offload or save blocks every rank replies with its heads of
+them, and the executor assembles and stores the whole blocks
+(kv_store_writer.py) before the step returns.
+
 Failure: while waiting, the executor watches every worker's pipe and process
 sentinel together, so a worker that raises (its traceback arrives on its
 pipe) or dies (its sentinel fires) fails the call at once with that cause;
@@ -16,6 +22,7 @@ disappears, so no process outlives the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -32,7 +39,9 @@ from engine_pod.config import EngineConfig
 from engine_pod.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine_pod.distributed.shm_broadcast import BroadcastWriter
 from engine_pod.executor.abstract import Executor
+from engine_pod.executor.kv_store_writer import put_step_blocks
 from engine_pod.worker.worker_process import SHUTDOWN, WorkerCall, WorkerReply, WorkerSpec, run_worker
+from kv_store.tiered_store import TieredKVStore
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +49,16 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_SECONDS = 600.0
 # Graceful stop, then SIGTERM, then SIGKILL, each waited for this long.
 STOP_GRACE_SECONDS = 5.0
+
+
+def _picklable(scheduler_output: SchedulerOutput) -> SchedulerOutput:
+    """The step as the broadcast can pickle it: the store hands loads over as
+    views of its values (memoryviews), which cross to the workers as bytes."""
+    meta = scheduler_output.kv_connector
+    if meta is None or not meta.loads:
+        return scheduler_output
+    loads = [(block_id, bytes(payload)) for block_id, payload in meta.loads]
+    return dataclasses.replace(scheduler_output, kv_connector=dataclasses.replace(meta, loads=loads))
 
 
 class WorkerError(RuntimeError):
@@ -90,6 +109,7 @@ class MultiProcExecutor(Executor):
         self.channel_seconds = 0.0
         self.num_steps = 0
         self.last_broadcast_bytes = 0
+        self._kv_store: TieredKVStore | None = None
         ctx = mp.get_context("spawn")
         self._channel = BroadcastWriter(ctx, self.world_size)
         self._rendezvous_dir = tempfile.mkdtemp(prefix="tessera-tp-")
@@ -131,16 +151,30 @@ class MultiProcExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._call_all("initialize_kv_cache", num_blocks)
 
-    def attach_kv_store(self, store) -> None:
-        raise ValueError("the KV store is not supported with tensor parallelism yet (each rank needs its shard)")
+    def attach_kv_store(self, store: TieredKVStore) -> None:
+        """The store stays here, in the engine core's process; the ranks get
+        its (whole-block) layout and copy their own KV heads in and out."""
+        self._kv_store = store
+        self._call_all("attach_kv_store", store.codec.layout)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
-        self._broadcast(WorkerCall("execute_model", (scheduler_output,)))
-        reply = self._collect([0], timeout=None)[0]
+        meta = scheduler_output.kv_connector if self._kv_store is not None else None
+        # Every rank replies only on steps that read blocks back for the store
+        # (its heads of them); ordinary steps keep the one reply of rank 0.
+        gather = meta is not None and meta.reads_blocks
+        ranks = range(self.world_size) if gather else [0]
+        self._broadcast(WorkerCall("execute_model", (_picklable(scheduler_output),), all_ranks_reply=gather))
+        replies = self._collect(ranks, timeout=None)
+        reply = replies[0]
         self.channel_seconds += time.perf_counter() - start - reply.call_seconds
         self.num_steps += 1
-        return reply.value
+        out: ModelRunnerOutput = reply.value
+        if gather:
+            assert self._kv_store is not None and meta is not None
+            put_step_blocks(self._kv_store, meta, [replies[rank].value.kv_connector_output for rank in ranks])
+        out.kv_connector_output = None
+        return out
 
     def collective_rpc(self, method: str, *args) -> list:
         return self._call_all(method, *args)

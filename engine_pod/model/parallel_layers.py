@@ -101,19 +101,25 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     return max(1, num_kv_heads // tp_size)
 
 
+def kv_head_range(num_kv_heads: int, tp_size: int, rank: int) -> range:
+    """The model's KV heads that ``rank`` holds (its share of the KV cache).
+    Rank r's query heads start at r * q_heads and share the KV head
+    (r * q_heads) // (num_heads // num_kv_heads) = (r * num_kv_heads) // tp,
+    which covers both the split and the replicated case (where ranges of
+    neighbouring ranks are the same head)."""
+    start = (rank * num_kv_heads) // tp_size
+    return range(start, start + kv_heads_per_rank(num_kv_heads, tp_size))
+
+
 def qkv_shards(num_heads: int, num_kv_heads: int, head_dim: int, group: TensorParallelGroup) -> list[OutputShard]:
     tp, rank = group.world_size, group.rank
     q_heads = num_heads // tp
-    kv_heads = kv_heads_per_rank(num_kv_heads, tp)
-    # Rank r's query heads start at r * q_heads and share the KV head
-    # (r * q_heads) // (num_heads // num_kv_heads) = (r * num_kv_heads) // tp,
-    # which covers both the split and the replicated case.
-    kv_start = (rank * num_kv_heads) // tp
-    q, kv = q_heads * head_dim, kv_heads * head_dim
+    kv_heads = kv_head_range(num_kv_heads, tp, rank)
+    q, kv = q_heads * head_dim, len(kv_heads) * head_dim
     return [
         OutputShard("q", 0, q, rank * q),
-        OutputShard("k", q, kv, kv_start * head_dim),
-        OutputShard("v", q + kv, kv, kv_start * head_dim),
+        OutputShard("k", q, kv, kv_heads.start * head_dim),
+        OutputShard("v", q + kv, kv, kv_heads.start * head_dim),
     ]
 
 

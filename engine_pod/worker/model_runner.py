@@ -32,6 +32,7 @@ from engine_pod.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine_pod.distributed.parallel_state import TensorParallelGroup, single_rank_group
 from engine_pod.lora.layers import ModelLoRA, attach_lora
 from engine_pod.model.loader import build_model
+from engine_pod.model.parallel_layers import kv_head_range
 from engine_pod.sample.sampler import Sampler, SamplerOutput
 from engine_pod.spec_decode.ngram_proposer import NgramProposer
 from engine_pod.spec_decode.rejection_sampler import PAD, RejectionSampler
@@ -44,7 +45,7 @@ from engine_pod.worker.request_state import CachedRequestState, update_request_s
 from engine_pod.worker.runner_output import make_runner_output
 from engine_pod.worker.sampling_metadata import build_sampling_metadata, grammar_bitmask_rows
 from engine_pod.worker.tp_follower import follow_first_rank
-from kv_store.tiered_store import TieredKVStore
+from kv_store.codec import BlockLayout
 
 # Weights from this size on are moved onto 2 MiB pages once loaded (cpu_malloc.collapse_heap_to_huge_pages):
 # the bench model's 165 MB ran 3% faster that way; below it the copy (about 3 ms a MiB) is not worth it.
@@ -123,8 +124,12 @@ class ModelRunner:
             # The weights are packed and in the heap by now; every step streams them.
             collapse_heap_to_huge_pages()
 
-    def attach_kv_store(self, store: TieredKVStore) -> None:
-        self.kv_connector = KVConnectorWorker(store, self.kv_cache)
+    def attach_kv_store(self, layout: BlockLayout) -> None:
+        """Move blocks of the store's ``layout`` (whole blocks) in and out of
+        this rank's cache around each step; the store itself stays with the
+        executor (the engine core's process)."""
+        heads = kv_head_range(self.arch.num_key_value_heads, self.group.world_size, self.group.rank)
+        self.kv_connector = KVConnectorWorker(layout, self.kv_cache, heads)
 
     # -- one step ---------------------------------------------------------
     @torch.inference_mode()
@@ -136,6 +141,13 @@ class ModelRunner:
         if self.lora is not None:
             for slot, weights in so.lora_weights.items():
                 self.lora.install(slot, weights)
+        out = self._forward_and_sample(so)
+        if connector_meta:
+            # Sampling wrote no KV: the saved blocks read now are the forward's.
+            out.kv_connector_output = self.kv_connector.after_forward(connector_meta)
+        return out
+
+    def _forward_and_sample(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if so.is_empty:
             return ModelRunnerOutput({})
         batch = prepare_inputs(so, self.requests, self.block_size, self.device)
@@ -147,8 +159,6 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, rows)
         logits = self.model.compute_logits(hidden) if batch.sampling_states else None
         self.forward_seconds += time.perf_counter() - start
-        if connector_meta:
-            self.kv_connector.after_forward(connector_meta)
         if not batch.sampling_states:
             return ModelRunnerOutput({})
         if not self.group.is_first:

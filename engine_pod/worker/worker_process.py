@@ -3,7 +3,8 @@
 It joins the process group, builds its shard of the model, reports ready,
 then runs whatever the executor broadcasts until told to stop. Only rank 0
 answers ordinary calls (its results are the engine's); every rank answers
-calls that need all of them (the KV block count, start-up), and any rank
+calls that need all of them (the KV block count, start-up, steps whose KV
+blocks go to the store: each rank's heads of them), and any rank
 reports its own failure, so the executor can fail fast with the worker's own
 traceback.
 """

@@ -94,7 +94,10 @@ def _pool() -> Schema:
                             minimum=0),
         "minReplicas": integer("Lower bound of the autoscaler (0 allows scale to zero).", default=1, minimum=0),
         "maxReplicas": integer("Upper bound of the autoscaler.", default=4, minimum=1),
-        "gpus": integer("GPUs per pod (default: engine.tensorParallelSize; 0 runs on CPU).", minimum=0),
+        "tensorParallelSize": integer("This pool's tensor parallelism (default: engine.tensorParallelSize). "
+                                      "Prefill and decode pools may differ: KV blocks are stored whole, so "
+                                      "any layout reads what any other wrote.", minimum=1, maximum=16),
+        "gpus": integer("GPUs per pod (default: the pool's tensorParallelSize; 0 runs on CPU).", minimum=0),
         "resources": resources("CPU and memory of each engine pod (GPUs come from `gpus`); memory must hold "
                                "the process plus kvStore.hostMemory."),
         "nodeSelector": string_map("Node labels the pods must match."),

@@ -25,8 +25,6 @@ from tessera_operator.schema_dsl import (
 # `control-plane` (gateway and operator, no torch).
 DEFAULT_IMAGE = "ghcr.io/tessera-ai/tessera:0.1.0"
 DEFAULT_CONTROL_PLANE_IMAGE = "ghcr.io/tessera-ai/tessera-control-plane:0.1.0"
-# The KV store keys whole blocks, not per-rank shards: the engine refuses TP > 1 with Redis.
-TP_REDIS_RULE = "self.engine.tensorParallelSize == 1 || !has(self.kvStore.redis)"
 DEFAULT_CLASS_RULE = "self.priorityClasses.exists(c, c.name == self.defaultPriorityClass)"
 # An OTLP/gRPC endpoint is a URL with a scheme and no path (the SDK's exporter dials HOST:PORT).
 TRACING_ENDPOINT_PATTERN = "^https?://[^/ ]+/?$"
@@ -59,8 +57,6 @@ def spec_schema() -> Schema:
         "networkPolicy": _network_policy(),
         "tracing": _tracing(),
     }, required=["model"], rules=[
-        (TP_REDIS_RULE, "kvStore.redis does not support engine.tensorParallelSize above 1 yet (KV blocks are not "
-                        "sharded per rank)"),
         (LORA_NAMES_RULE, "every loras[].name must differ from model.name (requests choose the adapter by it)"),
         (LORA_SETTINGS_RULE, "engine.lora needs adapters to serve: list them in loras, or folders to load them "
                              "from in engine.lora.runtimeRoots"),

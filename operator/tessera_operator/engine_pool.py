@@ -36,7 +36,7 @@ def engine_args(owner: Owner, spec: dict, role: str) -> list[str]:
              "--max-num-seqs", str(engine["maxNumSeqs"]),
              "--gpu-memory-utilization", str(engine["gpuMemoryUtilization"]),
              "--scheduling-policy", engine["schedulingPolicy"],
-             "--tensor-parallel-size", str(engine["tensorParallelSize"]),
+             "--tensor-parallel-size", str(pool_tensor_parallel_size(spec, role)),
              "--drain-timeout", str(engine["drainTimeoutSeconds"]),
              "--step-timeout", str(engine["stepTimeoutSeconds"]),
              "--attention-backend", engine["attentionBackend"]]
@@ -86,9 +86,14 @@ def _secret_files(owner: Owner, spec: dict) -> secret_files.SecretFiles:
             + secret_files.redis_tls(spec))
 
 
+def pool_tensor_parallel_size(spec: dict, role: str) -> int:
+    """The pool's own tensorParallelSize, else the engine's."""
+    return spec["pools"][role].get("tensorParallelSize", spec["engine"]["tensorParallelSize"])
+
+
 def pool_gpus(spec: dict, role: str) -> int:
     pool = spec["pools"][role]
-    return pool["gpus"] if "gpus" in pool else spec["engine"]["tensorParallelSize"]
+    return pool["gpus"] if "gpus" in pool else pool_tensor_parallel_size(spec, role)
 
 
 def _probes() -> dict:

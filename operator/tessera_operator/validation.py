@@ -49,7 +49,6 @@ def _name_ok(obj: dict) -> bool:
 RULE_CHECKS: dict[str, Callable[[dict], bool]] = {
     crd_engine.MIN_LE_MAX_RULE: lambda pool: pool["minReplicas"] <= pool["maxReplicas"],
     ONE_SOURCE_RULE: lambda folder: ("pvc" in folder) != ("hostPath" in folder),
-    crd_spec.TP_REDIS_RULE: lambda spec: spec["engine"]["tensorParallelSize"] == 1 or "redis" not in spec["kvStore"],
     crd_engine.LOOKUP_BOUNDS_RULE: lambda spec: spec["promptLookupMin"] <= spec["promptLookupMax"],
     crd_spec.TRACING_ENDPOINT_RULE: lambda tracing: pattern_matches(crd_spec.TRACING_ENDPOINT_PATTERN,
                                                                   tracing["endpoint"]),

@@ -160,7 +160,4 @@ def _warnings(spec: dict) -> list[str]:
         out.append("internalTLS names a Kubernetes Secret; locally the internal hops use the bearer token alone")
     if (spec["kvStore"].get("redis") or {}).get("tls"):
         out.append("kvStore.redis.tls names Kubernetes Secrets; locally --redis-url is used as given")
-    if spec["engine"]["tensorParallelSize"] != 1 and (spec["kvStore"].get("redis")
-                                                      or spec["kvStore"].get("hostMemory") not in (0, "0")):
-        out.append("engine.tensorParallelSize > 1 with kvStore tiers: engine pods refuse this combination for now")
     return out

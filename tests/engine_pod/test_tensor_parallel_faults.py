@@ -124,8 +124,3 @@ def test_tp_size_must_split_or_replicate_kv_heads_evenly(tiny_llama):
 def test_tp_size_must_be_positive(tiny_llama, size):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(str(tiny_llama), tensor_parallel_size=size, **KW)
-
-
-def test_kv_store_with_tensor_parallelism_is_refused_at_start_up(tiny_llama):
-    with pytest.raises(ValueError, match="KV store .* tensor_parallel_size=2"):
-        LLM(str(tiny_llama), tensor_parallel_size=2, kv_host_bytes=1 << 20, **KW)

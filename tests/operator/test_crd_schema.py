@@ -144,8 +144,6 @@ INVALID = [
     ("min above max", {"pools": {"prefill": {"minReplicas": 5, "maxReplicas": 2}}}, "spec.pools.prefill", False),
     ("two model sources", {"model": {"hostPath": {"path": "/data/llama"}}}, "spec.model", False),
     ("unknown default class", {"gateway": {"defaultPriorityClass": "gold"}}, "spec.gateway", False),
-    ("tensor parallelism with redis", {"engine": {"tensorParallelSize": 2},
-                                       "kvStore": {"redis": {"urlSecretRef": {"name": "r"}}}}, "spec", False),
     ("lookup bounds crossed", {"engine": {"speculative": {"numSpeculativeTokens": 2, "promptLookupMin": 6}}},
      "spec.engine.speculative", False),
     ("duplicate class", {"gateway": {"priorityClasses": [{"name": "a", "priority": 1, "weight": 1},

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from gateway.config import gateway_config_from_dict
-from tessera_operator import InvalidInferenceService
+from tessera_operator import InvalidInferenceService, validate_inference_service
 from tessera_operator.reconcile import ObjectKey, desired_objects, stale_keys
 
 from .conftest import make_isvc
@@ -185,6 +185,28 @@ def test_engine_args_parse_with_the_engine_cli(full):
         "ngram", 3, 2, 5)
 
 
+def test_disaggregated_tp4_prefill_and_tp2_decode_with_both_kv_tiers():
+    """Pools of different tensor parallelism with host memory and Redis (the engine stores whole
+    blocks, gathered from its ranks): the resource validates, each pool's flags parse with the
+    engine's own parser, and each pod asks for its pool's GPUs."""
+    import argparse
+
+    from engine_pod.server.main import add_parser
+
+    spec = copy.deepcopy(FULL_SPEC)
+    spec["engine"]["tensorParallelSize"] = 2
+    spec["pools"]["prefill"]["tensorParallelSize"] = 4
+    del spec["pools"]["decode"]["gpus"]
+    objects = desired_objects(validate_inference_service(make_isvc(spec)))
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    for pool, tp in (("llama-prefill", 4), ("llama-decode", 2)):
+        args = parser.parse_args(container(objects, pool)["args"])
+        assert (args.tensor_parallel_size, args.kv_host_bytes) == (tp, 2 * 1024**3)
+        assert "TESSERA_KV_REDIS_URL" in {e["name"] for e in container(objects, pool)["env"]}
+        assert container(objects, pool)["resources"]["limits"]["amd.com/gpu"] == tp
+
+
 def test_engine_choices_in_the_schema_are_the_engines():
     """The CRD spells the engine's choices out (the operator does not import
     the engine); they must not drift apart."""
@@ -198,10 +220,8 @@ def test_engine_choices_in_the_schema_are_the_engines():
 
 
 def test_gpus_equal_tensor_parallel_size_unless_set():
-    # Tensor parallelism above 1 runs without the KV store (not sharded per rank yet).
     spec = copy.deepcopy(FULL_SPEC)
     spec["engine"]["tensorParallelSize"] = 4
-    del spec["kvStore"]
     objects = desired_objects(make_isvc(spec))
     prefill = container(objects, "llama-prefill")["resources"]
     assert prefill["limits"] == {"memory": "80Gi", "amd.com/gpu": 4}
