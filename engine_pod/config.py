@@ -15,6 +15,7 @@ from kv_store.block_hash import DEFAULT_BLOCK_SIZE
 from kv_store.mac_key import check_mac_key
 from kv_store.redis_tier import DEFAULT_KEY_PREFIX, RedisTierConfig
 from tessera.context_length import resolve_max_model_len
+from tessera.internal_channel import InternalTLS
 from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, InternalSecret
 
 if TYPE_CHECKING:
@@ -136,12 +137,26 @@ class KVStoreConfig:
     mac_key: bytes | None = field(default=None, repr=False)
     """The key of the MAC over every value in Redis (InternalSecret.kv_mac_key);
     required with a Redis URL."""
+    inbox_bytes: int = 0
+    """Budget in bytes of the inbox, where prefill pods push a request's
+    blocks over the direct P/D channel (0: this pod takes no pushes; its
+    requests read Redis). Least recently used blocks go first."""
+    direct_timeout_s: float = 60.0
+    """Deadline in seconds of one direct push (a prefill pod's side), from its
+    first block to the decode pod's reply; past it the blocks go to Redis."""
+    peer_tls: InternalTLS | None = None
+    """Mutual TLS when this pod dials a peer (a direct push), set by the pod
+    from its own TLS flags; None: plaintext, the internal token alone."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.host_bytes, int) or self.host_bytes < 0:
             raise ValueError(f"kv_host_bytes must be an integer >= 0, got {self.host_bytes!r}")
         if self.write_queue_size < 1:
             raise ValueError(f"kv_write_queue_size must be >= 1, got {self.write_queue_size}")
+        if not isinstance(self.inbox_bytes, int) or self.inbox_bytes < 0:
+            raise ValueError(f"kv_inbox_bytes must be an integer >= 0, got {self.inbox_bytes!r}")
+        if not 0 < self.direct_timeout_s <= 3600:
+            raise ValueError(f"kv_direct_timeout_s must be in (0, 3600] seconds, got {self.direct_timeout_s}")
         check_mac_key(self.mac_key)
         if self.redis_url is not None:
             self.redis_tier_config()  # validates
@@ -149,6 +164,10 @@ class KVStoreConfig:
                 raise ValueError(
                     f"kv_redis_url: the Redis tier needs the deployment's internal secret to authenticate shared KV "
                     f"values; set {SECRET_FILE_ENV} (a file holding it) or {SECRET_ENV}, or pass kv_mac_key")
+        if self.inbox_bytes and self.mac_key is None:
+            raise ValueError(
+                f"kv_inbox_bytes: blocks pushed by other pods are verified with the deployment's internal secret; "
+                f"set {SECRET_FILE_ENV} (a file holding it) or {SECRET_ENV}, or pass kv_mac_key")
 
     def redis_tier_config(self) -> RedisTierConfig:
         """The Redis tier's settings."""
@@ -158,7 +177,7 @@ class KVStoreConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.host_bytes > 0 or self.redis_url is not None
+        return self.host_bytes > 0 or self.redis_url is not None or self.inbox_bytes > 0
 
 
 @dataclass
@@ -329,6 +348,8 @@ def create_engine_config(
     kv_redis_cert_file: str | None = KVStoreConfig.redis_cert_file,
     kv_redis_key_file: str | None = KVStoreConfig.redis_key_file,
     kv_mac_key: bytes | None = KVStoreConfig.mac_key,
+    kv_inbox_bytes: int = KVStoreConfig.inbox_bytes,
+    kv_direct_timeout_s: float = KVStoreConfig.direct_timeout_s,
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size,
     worker_threads: int | None = ParallelConfig.worker_threads,
     speculative_config: SpeculativeConfig | dict | str | None = EngineConfig.speculative,
@@ -355,11 +376,11 @@ def create_engine_config(
         dev = _resolve_device(device)
         _check_device_count(dev, tensor_parallel_size)
         model_dtype = _resolve_dtype(dtype, arch, dev)
-    if kv_redis_url is not None and kv_mac_key is None:
+    if (kv_redis_url is not None or kv_inbox_bytes) and kv_mac_key is None:
         kv_mac_key = _kv_mac_key_from_env()
     kv_store = KVStoreConfig(kv_host_bytes, kv_redis_url, kv_redis_ttl, kv_redis_cluster, kv_write_queue_size,
                              kv_redis_key_prefix, kv_redis_ca_file, kv_redis_cert_file, kv_redis_key_file,
-                             kv_mac_key)
+                             kv_mac_key, kv_inbox_bytes, kv_direct_timeout_s)
     try:
         policy = SchedulingPolicy(scheduling_policy)
     except ValueError:

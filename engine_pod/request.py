@@ -52,12 +52,16 @@ class Request:
     # P/D: "produce" (a prefill pod: save prompt blocks to Redis before the
     # first token is reported) or None.
     kv_transfer_mode: str | None = None
+    # "produce" over the direct channel: the decode pod (host:port) its blocks are pushed to.
+    kv_transfer_target: str | None = None
     # The LoRA adapter it runs on (checked by the Processor); None: the base model.
     lora: AdapterSpec | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Direct producers: leading blocks queued for the decode pod so far.
+    num_kv_blocks_pushed: int = 0
     # Prompt tokens served from the prefix cache when first scheduled (-1: not yet).
     num_cached_tokens: int = -1
     num_preemptions: int = 0

@@ -227,10 +227,17 @@ class RouterConfig:
     max_pushed_blocks_per_pod: int = 1 << 20
 
 
+KV_CHANNELS = ("redis", "direct")
+
+
 @dataclass(frozen=True)
 class DisaggregationConfig:
     # Prefill on a prefill pod only when at least this many prompt tokens are not cached.
     min_uncached_tokens: int = 256
+    # How a prompt's KV goes from the prefill pod to the decode pod: "direct" (the
+    # prefill pod pushes it to the decode pod the gateway picked, which must run with
+    # --kv-inbox-bytes; Redis when the push fails) or "redis" (always through Redis).
+    kv_channel: str = "redis"
 
 
 @dataclass(frozen=True)
@@ -311,6 +318,9 @@ class GatewayConfig:
         _check(self.router.affinity_candidates + self.router.load_candidates >= 1,
                "router.affinity_candidates + router.load_candidates must be >= 1")
         _check(self.disaggregation.min_uncached_tokens >= 0, "disaggregation.min_uncached_tokens must be >= 0")
+        channel = self.disaggregation.kv_channel
+        _check(channel in KV_CHANNELS, f"disaggregation.kv_channel must be one of {', '.join(KV_CHANNELS)}, "
+                                       f"got {channel!r}")
         _check(isinstance(self.internal, InternalConfig), "internal: expected a mapping (secret_file, tls)")
 
 

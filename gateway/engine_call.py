@@ -180,14 +180,18 @@ async def stream_choice(
 
 
 async def prefill(pool: PodPool, candidates: list[Pod], request: epb.GenerateRequest,
-                  metadata: list[tuple[str, str]], on_attempt: Callable[[Pod, int], None]) -> bool:
-    """Run the prompt on a prefill pod so its KV lands in the shared store.
-    False if no prefill pod managed it (the decode pod then computes the
-    prompt itself: slower, never wrong)."""
+                  metadata: list[tuple[str, str]], on_attempt: Callable[[Pod, int], None],
+                  direct_target: str = "") -> bool:
+    """Run the prompt on a prefill pod so its KV lands in the shared store
+    (or, with ``direct_target``, the address of the decode pod the request
+    goes to, is pushed straight to that pod). False if no prefill pod
+    managed it (the decode pod then computes the prompt itself: slower,
+    never wrong)."""
     produce = epb.GenerateRequest()
     produce.CopyFrom(request)
     produce.request_id = request.request_id + "-prefill"
     produce.kv_transfer.mode = epb.KVTransferParams.MODE_PRODUCE
+    produce.kv_transfer.direct_target = direct_target
     try:
         async for _ in stream_choice(pool, candidates, produce, metadata, on_attempt):
             pass

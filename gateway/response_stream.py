@@ -93,8 +93,10 @@ class ResponseStream:
         prefill_task = None
         if plan.prefill_candidates:
             request = self._engine_request(0, plan)
+            # Direct: pushed to the decode pod ranked first, where the choices go unless it fails.
+            target = plan.candidates[0].address if g.config.disaggregation.kv_channel == "direct" else ""
             prefill_task = asyncio.create_task(
-                prefill(g.pool, plan.prefill_candidates, request, metadata, self._on_attempt("prefill"))
+                prefill(g.pool, plan.prefill_candidates, request, metadata, self._on_attempt("prefill"), target)
             )
             self._tasks.append(prefill_task)
         if len(self.choices) == 1 and prefill_task is None:

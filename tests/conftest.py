@@ -41,6 +41,7 @@ _E2E_PATHS = (
     "tests/gateway/test_file_discovery.py", "tests/gateway/test_lora_e2e.py",
     "tests/gateway/test_front_door.py", "tests/tessera_tools/up/test_up_monitoring.py",
     "tests/tessera_tools/up/test_up_rough_edges.py", "tests/kv_store/test_kv_store_tensor_parallel.py",
+    "tests/tessera_tools/bench/test_pd_bench.py",
 )
 
 

@@ -54,7 +54,7 @@ def gateway_scrape() -> str:
 def engine_scrape() -> str:
     metrics = EngineMetrics("tiny")
     r: CollectorRegistry = metrics.registry
-    store = SimpleNamespace(stats=KVStoreStats(), host=SimpleNamespace(used_bytes=0),
+    store = SimpleNamespace(stats=KVStoreStats(), host=SimpleNamespace(used_bytes=0), inbox=None,
                             remote=SimpleNamespace(available=True, errors=0))
     r.register(KVStoreCollector(store, "tiny"))
     r.register(StructuredOutputCollector(StructuredOutputStats(), "tiny"))

@@ -42,10 +42,19 @@ class KVConnectorScheduler:
         """Save the full blocks this step completes."""
         sync = request.kv_transfer_mode == "produce"
         end = min(num_computed + num_new, request.num_tokens) // self.block_size
-        for i in range(num_computed // self.block_size, end):
+        start = num_computed // self.block_size
+        target = request.kv_transfer_target if sync else None
+        if target is not None:
+            # The decode pod needs the whole prompt, the blocks this pod had
+            # cached (not computed here, so never saved now) included.
+            start = min(start, request.num_kv_blocks_pushed)
+            request.num_kv_blocks_pushed = max(request.num_kv_blocks_pushed, end)
+        for i in range(start, end):
             block_hash = request.block_hashes[i]
             if sync or block_hash not in self.store.host:
                 self._meta.saves.append((blocks[i].block_id, block_hash, sync))
+            if target is not None:  # another producer of this step may save the same block
+                self._meta.transfers.setdefault(block_hash, []).append((request.request_id, target))
 
     def on_evict(self, block: KVCacheBlock) -> None:
         """BlockPool hook: a cached block (it has a hash) is about to be reused."""
@@ -62,6 +71,13 @@ class KVConnectorScheduler:
         # hash: saves of a block id are only valid if the hash still names it.
         hashes = set(request.block_hashes)
         self._meta.saves = [s for s in self._meta.saves if s[1] not in hashes]
+        for block_hash in hashes & self._meta.transfers.keys():
+            rest = [t for t in self._meta.transfers[block_hash] if t[0] != request.request_id]
+            if rest:
+                self._meta.transfers[block_hash] = rest
+            else:
+                del self._meta.transfers[block_hash]
+        request.num_kv_blocks_pushed = 0  # its next schedule pushes them again (a push is idempotent)
 
     def take_external_hit_tokens(self) -> int:
         """Tokens served from the store since the last call (a stats report)."""

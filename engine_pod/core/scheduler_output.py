@@ -49,6 +49,8 @@ class KVConnectorMetadata:
     loads: list[tuple[int, memoryview | bytes]] = field(default_factory=list)
     # (block id, block hash, write to Redis before the step returns) filled this step.
     saves: list[tuple[int, bytes, bool]] = field(default_factory=list)
+    # block hash -> [(request id, decode pod address)]: saves direct producers push to their decode pods.
+    transfers: dict[bytes, list[tuple[str, str]]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.offloads or self.loads or self.saves)

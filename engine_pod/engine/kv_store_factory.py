@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from engine_pod.config import EngineConfig
 from kv_store.codec import FORMAT_VERSION, BlockCodec, BlockLayout
+from kv_store.direct_sender import DirectSender, DirectSenderConfig
 from kv_store.fingerprint import model_fingerprint
 from kv_store.host_tier import HostMemoryTier
 from kv_store.redis_tier import RedisTier
 from kv_store.tiered_store import TieredKVStore
+from tessera.internal_channel import InternalClient
 
 # Part of a simulated engine's fingerprint: its blocks hold filler, never KV,
 # so they live under keys (and carry headers) that no real engine ever reads.
@@ -35,4 +37,12 @@ def build_kv_store(config: EngineConfig) -> TieredKVStore:
         namespace = f"{fingerprint.hex()}:{layout.tp_rank}/{layout.tp_size}:"
         remote = RedisTier(kv.redis_tier_config(), namespace=namespace)
     codec = BlockCodec(layout, kv.mac_key)
-    return TieredKVStore(codec, HostMemoryTier(kv.host_bytes), remote, kv.write_queue_size)
+    inbox = HostMemoryTier(kv.inbox_bytes) if kv.inbox_bytes else None
+    sender = None
+    if codec.can_sign:  # the direct channel's sending half; Redis is its fallback
+        # Dialled with the pod's own internal secret (and certificate, under mutual TLS):
+        # a peer pod checks them as it checks the gateway's.
+        fallback = remote.put_many if remote is not None else None
+        sender = DirectSender(codec.sign, fallback, lambda: InternalClient.from_env(kv.peer_tls),
+                              DirectSenderConfig(timeout_s=kv.direct_timeout_s))
+    return TieredKVStore(codec, HostMemoryTier(kv.host_bytes), remote, kv.write_queue_size, inbox, sender)

@@ -73,6 +73,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="rediss://: the client certificate's private key (PEM)")
     k.add_argument("--kv-write-queue-size", type=int, default=kv.write_queue_size,
                    help="Redis write-behind queue; beyond it writes are dropped (and counted)")
+    k.add_argument("--kv-inbox-bytes", type=int, default=kv.inbox_bytes,
+                   help="decode pods: budget in bytes of the blocks prefill pods push here over the direct P/D "
+                        "channel (0: none taken; requests read Redis)")
+    k.add_argument("--kv-direct-timeout", type=float, default=kv.direct_timeout_s,
+                   help="prefill pods: seconds one direct push may take before its blocks go to Redis instead")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -100,6 +105,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_redis_ca_file=args.kv_redis_ca_file,
         kv_redis_cert_file=args.kv_redis_cert_file,
         kv_redis_key_file=args.kv_redis_key_file,
+        kv_inbox_bytes=args.kv_inbox_bytes,
+        kv_direct_timeout_s=args.kv_direct_timeout,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=args.speculative_config,
         enable_lora=args.enable_lora,

@@ -2,7 +2,9 @@
 blocks every rank read back (engine_pod/worker/kv_connector_worker.py),
 assembled into whole blocks (engine_pod/worker/kv_shards.py) and put into the
 store before the step's outputs return, so a prefill pod's blocks are in
-Redis before its first token leaves the pod."""
+Redis before its first token leaves the pod (or, on the direct channel,
+queued for its decode pod, whose reply that token's response waits for:
+engine_pod/server/grpc_service.py)."""
 
 from __future__ import annotations
 
@@ -24,4 +26,4 @@ def put_step_blocks(store: TieredKVStore, meta: KVConnectorMetadata, outputs: li
     if meta.saves:
         blocks = assemble_blocks([o.saved for o in outputs], layout.num_kv_heads)
         store.put_many([(block_hash, block_payload(layout, block), sync)
-                        for (_, block_hash, sync), block in zip(meta.saves, blocks)])
+                        for (_, block_hash, sync), block in zip(meta.saves, blocks)], meta.transfers)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health
 
-from tessera.internal_channel import read_pem
+from tessera.internal_channel import InternalTLS, read_pem
 from tessera.internal_secret import AUTH_METADATA_KEY, InternalSecret
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,11 @@ class ServerTLS:
             raise ValueError(f"mutual TLS needs all of --tls-cert-file, --tls-key-file and --tls-client-ca-file; "
                              f"missing {', '.join(missing)}")
         return cls(cert_file, key_file, client_ca_file)
+
+    def as_client(self, server_name: str | None) -> InternalTLS:
+        """How this pod dials a peer pod of its deployment: its own certificate
+        as the client's, the peer's checked against the same CA."""
+        return InternalTLS(self.client_ca_file, self.cert_file, self.key_file, server_name)
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials(

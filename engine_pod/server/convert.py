@@ -6,6 +6,8 @@ service turns into INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import re
+
 from engine_pod.core.scheduler_output import EngineCoreOutput
 from engine_pod.lora_request import AdapterSpec
 from engine_pod.processor import Processor
@@ -66,6 +68,7 @@ def request_from_proto(
     prompt = processor.process_prompt({"prompt_token_ids": list(msg.prompt_token_ids)})
     params = processor.process_params(sampling_params_from_proto(msg.sampling_params))
     produce = mode == pb.KVTransferParams.MODE_PRODUCE
+    target = direct_target(msg.kv_transfer.direct_target, produce)
     if produce:
         # A prefill pod computes the prompt and reports its first token only;
         # the decode pod samples every output token (the first included), so
@@ -74,8 +77,25 @@ def request_from_proto(
         params.structured_outputs = None
     return Request(
         request_id, prompt.prompt_token_ids, params, priority=msg.priority, cache_salt=msg.cache_salt or None,
-        kv_transfer_mode="produce" if produce else None, lora=adapter,
+        kv_transfer_mode="produce" if produce else None, kv_transfer_target=target, lora=adapter,
     )
+
+
+# host:port, the host a name, an IPv4 address or a bracketed IPv6 one.
+_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):([0-9]{1,5})$")
+
+
+def direct_target(target: str, produce: bool) -> str | None:
+    """The decode pod a producing request pushes its blocks to (None: Redis);
+    ValueError for anything but a host:port on a producing request."""
+    if not target:
+        return None
+    if not produce:
+        raise ValueError("kv_transfer.direct_target: only a MODE_PRODUCE request pushes its blocks")
+    match = _ADDRESS.match(target) if len(target) <= 261 else None
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        raise ValueError(f"kv_transfer.direct_target: {target[:64]!r} is not a host:port address")
+    return target
 
 
 def response_from_output(out: EngineCoreOutput, num_prompt_tokens: int) -> pb.GenerateResponse:

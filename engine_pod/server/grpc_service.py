@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -28,6 +29,7 @@ from engine_pod.server.lora_registry import (
 )
 from engine_pod.server.metrics import EngineMetrics
 from engine_pod.server.prefix_cache_feed import PrefixCacheFeed
+from kv_store.tiered_store import TieredKVStore
 from tessera.tracing import (
     GEN_AI_REQUEST_MAX_TOKENS,
     GEN_AI_REQUEST_MODEL,
@@ -48,6 +50,9 @@ from tessera.v1 import engine_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 GENERATE = "tessera.v1.Engine/Generate"
+# A push (PushKVBlocks) with no message for this long is abandoned: a stalled
+# or dead prefill pod holds no call open. A long prompt's chunks come much faster.
+PUSH_IDLE_TIMEOUT_S = 60.0
 
 
 class EngineService(pb_grpc.EngineServicer):
@@ -132,11 +137,16 @@ class EngineService(pb_grpc.EngineServicer):
                                 request.lora_name or None)
         if stream.lora_name:
             self.metrics.on_lora_request(stream.lora_name)
+        pushes = engine_request.kv_transfer_target is not None
         try:
             while True:
                 item = await queue.get()
                 response = stream.on_item(item)
                 if response is not None:
+                    if pushes and response.finish_reason and stream.error is None and response.finish_reason != "abort":
+                        # The gateway sends the decode request when this
+                        # answer arrives: the blocks must be there first.
+                        await self._await_push(request_id, span)
                     yield response
                 if stream.done:
                     break
@@ -149,8 +159,60 @@ class EngineService(pb_grpc.EngineServicer):
             self.engine.abort(request_id)
             stream.finish("abort", time.time())
             raise
+        finally:
+            store = self._store()
+            if pushes and store is not None:
+                store.cancel_transfer(request_id)  # a no-op once its push finished
         if stream.error is not None:
             await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {stream.error!r}")
+
+    def _store(self) -> TieredKVStore | None:
+        return self.engine.core.kv_store if self.engine is not None else None
+
+    async def _await_push(self, request_id: str, span) -> None:
+        """Wait until a producing request's blocks reached its decode pod (or
+        Redis, when the direct push failed); bounded, never an error: a
+        decode pod that finds no blocks computes the prompt itself."""
+        store = self._store()
+        future = store.finish_transfer(request_id) if store is not None else None
+        if future is None:
+            return
+        bound = store.sender.config.timeout_s * 2 + 10  # the push's deadline, then the fallback's write
+        try:
+            result = await asyncio.wait_for(asyncio.wrap_future(future), bound)
+        except (asyncio.TimeoutError, concurrent.futures.CancelledError):
+            logger.warning("request %s: its KV push did not finish within %.0f s", request_id, bound)
+            return
+        span.set_attributes({"tessera.kv_transfer.channel": result.channel,
+                             "tessera.kv_transfer.blocks": result.num_blocks,
+                             "tessera.kv_transfer.bytes": result.num_bytes,
+                             "tessera.kv_transfer.seconds": result.seconds})
+
+    async def PushKVBlocks(self, request_iterator, context) -> pb.PushKVBlocksReply:
+        """Take a prefill pod's pushed blocks into this pod's inbox (see the proto)."""
+        store = self._store()
+        if self.role == "prefill":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a prefill pod takes no pushed KV blocks")
+        if store is None or store.inbox is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this pod takes no pushed KV blocks (--kv-inbox-bytes is 0)")
+        received = 0
+        messages = request_iterator.__aiter__()
+        while True:
+            try:
+                # A sender that stalls holds the call no longer than this between messages.
+                message = await asyncio.wait_for(messages.__anext__(), PUSH_IDLE_TIMEOUT_S)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"no KV block for {PUSH_IDLE_TIMEOUT_S:.0f} s: push abandoned")
+            try:
+                store.receive([(b.block_hash, b.value) for b in message.blocks])
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            received += len(message.blocks)
+        return pb.PushKVBlocksReply(num_blocks=received)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         if self.engine is None:

@@ -92,6 +92,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tls-key-file", default=None, help="mutual TLS: this pod's private key (PEM)")
     p.add_argument("--tls-client-ca-file", default=None,
                    help="mutual TLS: the CA that must have signed every client's certificate (PEM)")
+    p.add_argument("--tls-server-name", default=None,
+                   help="mutual TLS: the name checked against peer pods' certificates when this pod dials them (the "
+                        "direct P/D channel; they must be signed by --tls-client-ca-file); default: the dialled host")
     p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
                    help="LoRA adapters to serve from the start (with --enable-lora), by name")
     p.add_argument("--lora-root", action="append", default=[], metavar="DIR",
@@ -289,6 +292,9 @@ def serve(args: argparse.Namespace) -> int:
     if tls is not None:
         tls.credentials()  # unreadable files fail before the model loads
     config = create_engine_config(args.model, **engine_kwargs(args), simulate=args.simulate is not None)
+    if tls is not None:
+        # Peers demand a client certificate as this pod does: it dials them (a direct push) with its own.
+        config.kv_store.peer_tls = tls.as_client(args.tls_server_name)
     new_executor = _executor_factory(args, config)
     model_name = args.served_model_name or config.model.path.name
     configure_tracing("tessera-engine")

@@ -120,18 +120,28 @@ class KVStoreCollector:
             fam.add_metric(m, value)
             return fam
 
-        def per_tier(name, doc, host, redis):
-            fam = CounterMetricFamily(name, doc, labels=labels + ["tier"])
-            fam.add_metric(m + ["host"], host)
-            fam.add_metric(m + ["redis"], redis)
+        def per_label(name, doc, label, values: dict):
+            fam = CounterMetricFamily(name, doc, labels=labels + [label])
+            for key, value in values.items():
+                fam.add_metric(m + [key], value)
             return fam
 
         yield counter("tessera_kv_store_lookups", "Blocks looked up in the KV store", s.lookups)
-        yield per_tier("tessera_kv_store_hits", "Blocks loaded from the KV store", s.host_hits, s.redis_hits)
-        yield per_tier("tessera_kv_store_read_bytes", "Bytes read from the KV store", s.bytes_read_host,
-                       s.bytes_read_redis)
-        yield per_tier("tessera_kv_store_written_bytes", "Bytes written to the KV store",
-                       s.bytes_written_host, s.bytes_written_redis)
+        yield per_label("tessera_kv_store_hits", "Blocks loaded from the KV store", "tier",
+                        {"host": s.host_hits, "inbox": s.inbox_hits, "redis": s.redis_hits})
+        yield per_label("tessera_kv_store_read_bytes", "Bytes read from the KV store", "tier",
+                        {"host": s.bytes_read_host, "inbox": s.bytes_read_inbox, "redis": s.bytes_read_redis})
+        yield per_label("tessera_kv_store_written_bytes", "Bytes written to the KV store", "tier",
+                        {"host": s.bytes_written_host, "redis": s.bytes_written_redis})
+        channels = ("redis", "direct")
+        yield per_label("tessera_kv_transfer_bytes", "P/D transfer bytes sent by this pod, by channel", "channel",
+                        {c: s.transfer_bytes[c] for c in channels})
+        yield per_label("tessera_kv_transfer_seconds", "Seconds this pod spent on P/D transfers, by channel",
+                        "channel", {c: s.transfer_seconds[c] for c in channels})
+        yield per_label("tessera_kv_transfer_pushes", "Direct P/D pushes by outcome (ok, fallback: sent to Redis "
+                        "instead, failed: neither)", "outcome", {o: s.pushes[o] for o in ("ok", "fallback", "failed")})
+        yield counter("tessera_kv_store_inbox_received_bytes", "Bytes prefill pods pushed into this pod's inbox",
+                      s.bytes_received_inbox)
         yield counter("tessera_kv_store_write_drops", "Redis writes dropped (write-behind queue full)",
                       s.writes_dropped)
         yield self._rejected(labels, m)
@@ -141,6 +151,10 @@ class KVStoreCollector:
         host = GaugeMetricFamily("tessera_kv_store_host_bytes", "Bytes held by the host tier", labels=labels)
         host.add_metric(m, self.store.host.used_bytes)
         yield host
+        inbox = GaugeMetricFamily("tessera_kv_store_inbox_bytes", "Bytes held by the inbox of pushed blocks",
+                                  labels=labels)
+        inbox.add_metric(m, self.store.inbox.used_bytes if self.store.inbox is not None else 0)
+        yield inbox
         remote = self.store.remote
         if remote is not None:
             up = GaugeMetricFamily("tessera_kv_store_redis_up", "1 if the last Redis call succeeded", labels=labels)
@@ -159,7 +173,7 @@ class KVStoreCollector:
         fam = CounterMetricFamily("tessera_kv_store_rejected_values",
                                   "Stored blocks refused on read (and deleted), by tier and reason",
                                   labels=labels + ["tier", "reason"])
-        tiers = ("host", "redis") if self.store.remote is not None else ("host",)
+        tiers = ("host", "inbox", "redis") if self.store.remote is not None else ("host", "inbox")
         for tier in tiers:
             for reason in REJECT_REASONS:
                 fam.add_metric(m + [tier, reason], self.store.stats.rejected[(tier, reason)])

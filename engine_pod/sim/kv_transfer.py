@@ -37,4 +37,4 @@ class SimulatedKVTransfer:
             value = self.store.codec.encode(block_hash, filler_payload(block_hash, self._payload_bytes))
             self.store.host.put(block_hash, value)
         self.store.put_many([(block_hash, filler_payload(block_hash, self._payload_bytes), sync)
-                             for _, block_hash, sync in meta.saves])
+                             for _, block_hash, sync in meta.saves], meta.transfers)

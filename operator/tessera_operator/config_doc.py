@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from tessera_operator import crd
-from tessera_operator.schema_dsl import QUANTITY_PATTERN, Schema
+from tessera_operator.schema_dsl import QUANTITY_PATTERN, SIZE_PATTERN, Schema
 
 DOC = Path("docs/configuration.md")
 BEGIN = re.compile(r"^<!-- fields:begin (?P<roots>[^>]+?) -->$", re.M)
@@ -41,6 +41,8 @@ END = "<!-- fields:end -->"
 END_LINE = re.compile(r"^<!-- fields:end -->$", re.M)
 WHOLE = "."
 HEADER = ("Field", "Type", "Default", "Values", "Description")
+# The quantity patterns (schema_dsl) say "a Kubernetes quantity": the type column names it, the regex is noise.
+QUANTITY_PATTERNS = (QUANTITY_PATTERN, SIZE_PATTERN)
 # Kubernetes' own field: the CRD gives only its type and leaves the rest to the API server.
 FALLBACK_DESCRIPTIONS = {"metadata": "Standard object metadata: name, namespace, labels, annotations."}
 
@@ -123,7 +125,7 @@ def format_value(value: Any) -> str:
 
 def type_name(schema: Schema) -> str:
     if schema.get("x-kubernetes-int-or-string"):
-        return "quantity" if schema.get("pattern") == QUANTITY_PATTERN else "int or string"
+        return "quantity" if schema.get("pattern") in QUANTITY_PATTERNS else "int or string"
     kind = schema.get("type", "")
     if kind == "object" and isinstance(schema.get("additionalProperties"), dict):
         return f"map[string]{type_name(schema['additionalProperties'])}"
@@ -150,7 +152,7 @@ def values_text(schema: Schema) -> str:
         parts.append(f"at least {lo} character{'s' if lo > 1 else ''}")
     elif hi is not None:
         parts.append(f"at most {hi} characters")
-    if "pattern" in schema and schema["pattern"] != QUANTITY_PATTERN:
+    if "pattern" in schema and schema["pattern"] not in QUANTITY_PATTERNS:
         parts.append(f"matches {_code(schema['pattern'])}")
     if "maxItems" in schema:
         parts.append(f"at most {schema['maxItems']} items")

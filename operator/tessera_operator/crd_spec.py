@@ -3,6 +3,7 @@ gateway, internal secret and TLS, NetworkPolicies); crd_engine has the engine po
 
 from __future__ import annotations
 
+from gateway.config import KV_CHANNELS, DisaggregationConfig
 from tessera.internal_secret import SECRET_KEY
 from tessera_operator.crd_engine import autoscaling_schema, engine_schema, kv_store_schema, pools_schema
 from tessera_operator.crd_lora import LORA_NAMES_RULE, LORA_SETTINGS_RULE, loras_schema
@@ -18,6 +19,7 @@ from tessera_operator.schema_dsl import (
     obj,
     resources,
     secret_key_ref,
+    size,
     string,
 )
 
@@ -29,6 +31,11 @@ DEFAULT_CLASS_RULE = "self.priorityClasses.exists(c, c.name == self.defaultPrior
 # An OTLP/gRPC endpoint is a URL with a scheme and no path (the SDK's exporter dials HOST:PORT).
 TRACING_ENDPOINT_PATTERN = "^https?://[^/ ]+/?$"
 TRACING_ENDPOINT_RULE = f"self.endpoint.matches('{TRACING_ENDPOINT_PATTERN}')"
+# disaggregation.kvChannel: the gateway's own default (Redis), unless asked; direct gives decode pods an inbox.
+DEFAULT_KV_CHANNEL = DisaggregationConfig.kv_channel
+DIRECT_KV_CHANNEL = "direct"
+# disaggregation.inboxBytes: a budget (the inbox takes memory only as blocks arrive).
+DEFAULT_INBOX_BYTES = "1Gi"
 
 
 def spec_schema() -> Schema:
@@ -46,11 +53,7 @@ def spec_schema() -> Schema:
         "pools": pools_schema(),
         "kvStore": kv_store_schema(),
         "gateway": _gateway(),
-        "disaggregation": obj("When the gateway splits a request into prefill and decode (disaggregated mode).", {
-            "minUncachedTokens": integer("Split prompts with at least this many tokens the best decode pod has not "
-                                         "cached; shorter ones go to a decode pod alone.",
-                                         default=256, minimum=0),
-        }, default={}),
+        "disaggregation": _disaggregation(),
         "autoscaling": autoscaling_schema(),
         "internalSecretRef": _internal_secret_ref(),
         "internalTLS": _internal_tls(),
@@ -110,6 +113,29 @@ def _gateway() -> Schema:
     }, default={}, rules=[(DEFAULT_CLASS_RULE, "defaultPriorityClass must name one of priorityClasses")])
 
 
+def _disaggregation() -> Schema:
+    return obj("When the gateway splits a request into prefill and decode (disaggregated mode), and how the "
+               "prompt's KV goes from the prefill pod to the decode pod.", {
+        "minUncachedTokens": integer("Split prompts with at least this many tokens the best decode pod has not "
+                                     "cached; shorter ones go to a decode pod alone.",
+                                     default=256, minimum=0),
+        "kvChannel": string("How a split prompt's KV reaches the decode pod. redis: the prefill pod writes it to "
+                            "kvStore.redis, the decode pod reads it from there. direct: the prefill pod pushes "
+                            "it over gRPC, with the internal token, into the inbox (inboxBytes) of the decode pod "
+                            "the gateway picked, so decode pods must be reachable from prefill pods on their "
+                            "gRPC port (the operator's NetworkPolicy admits them); Redis stays the shared prefix "
+                            "tier and takes the blocks of a push that fails.",
+                            enum=list(KV_CHANNELS), default=DEFAULT_KV_CHANNEL),
+        "inboxBytes": size("With kvChannel direct: the inbox of each decode pod, in bytes (e.g. 2Gi), host memory "
+                           "where pushed blocks wait for their request, least recently used dropped first. Size "
+                           "it for the KV of a few prompts at once (Llama 3.1 8B in bfloat16: 128 KiB per token, "
+                           "so 1Gi holds about 8,000 tokens): blocks dropped before their request reads them are "
+                           "looked up in Redis, else recomputed. 0 turns the inbox off: every push is refused "
+                           "and its blocks go through Redis.",
+                           default=DEFAULT_INBOX_BYTES),
+    }, default={})
+
+
 def _internal_secret_ref() -> Schema:
     return secret_key_ref(
         "Secret key holding the deployment's internal secret (at least 32 characters; "
@@ -125,8 +151,9 @@ def _internal_tls() -> Schema:
                "the bearer token still required). docs/operator.md has the cert-manager Certificate.", {
         "secretName": string("A kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt (what cert-manager "
                              "writes), usable for server and client auth.", min_length=1),
-        "serverName": string("A DNS name the certificate carries; the gateway checks the engines' certificate "
-                             "against it (they are dialled by pod IP).", min_length=1, max_length=253),
+        "serverName": string("A DNS name the certificate carries; the gateway (and a prefill pod pushing KV "
+                             "to a decode pod) checks the engines' certificate against it (they are dialled by "
+                             "pod IP).", min_length=1, max_length=253),
     }, required=["secretName", "serverName"])
 
 

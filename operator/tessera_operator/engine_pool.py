@@ -8,6 +8,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from kv_store.redis_tier import REDIS_URL_ENV  # the engine reads the Redis URL (password included) from it
 from tessera_operator import loras, names, pod_parts, secret_files
+from tessera_operator.crd_spec import DIRECT_KV_CHANNEL
 from tessera_operator.names import Owner
 from tessera.tracing import ENGINE_SERVICE_NAME
 
@@ -52,7 +53,16 @@ def engine_args(owner: Owner, spec: dict, role: str) -> list[str]:
         # The URL itself comes by environment (REDIS_URL_ENV); its own prefix gives each
         # InferenceService a key space a Redis ACL can confine it to.
         args += ["--kv-redis-key-prefix", names.redis_key_prefix(owner)]
-    return args
+    return args + _inbox_args(spec, role)
+
+
+def _inbox_args(spec: dict, role: str) -> list[str]:
+    """With the direct P/D channel, decode pods take prefill pods' pushes into an inbox. Only
+    decode pods: the gateway splits requests only between a prefill and a decode pool."""
+    disaggregation = spec["disaggregation"]
+    if role != "decode" or disaggregation["kvChannel"] != DIRECT_KV_CHANNEL:
+        return []
+    return ["--kv-inbox-bytes", str(int(parse_quantity(disaggregation["inboxBytes"])))]
 
 
 def _pod_args(spec: dict) -> list[str]:

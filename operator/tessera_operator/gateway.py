@@ -48,7 +48,9 @@ def gateway_config(owner: Owner, spec: dict) -> dict:
         for c in gw["priorityClasses"]
     ]
     config["default_priority_class"] = gw["defaultPriorityClass"]
-    config["disaggregation"] = {"min_uncached_tokens": spec["disaggregation"]["minUncachedTokens"]}
+    disaggregation = spec["disaggregation"]
+    config["disaggregation"] = {"min_uncached_tokens": disaggregation["minUncachedTokens"],
+                                "kv_channel": disaggregation["kvChannel"]}
     if any(spec["pools"][role]["minReplicas"] == 0 for role in names.active_pools(spec["mode"])):
         # A pool may be at zero pods: requests wait in the gateway's queue,
         # whose length lifts the pool from zero (autoscale.py).

@@ -1,8 +1,9 @@
 """NetworkPolicies of an InferenceService: who may reach its pods.
 
 - Engine pods: the gRPC port only from this InferenceService's gateway pods and its own engine
-  pods (P/D peers); the metrics port only from the operator's namespace (the autoscaler scrapes
-  it) and the namespaces in spec.networkPolicy.metricsNamespaces.
+  pods (P/D peers: with disaggregation.kvChannel direct, prefill pods push KV to decode pods
+  there); the metrics port only from the operator's namespace (the autoscaler scrapes it) and
+  the namespaces in spec.networkPolicy.metricsNamespaces.
 - Gateway pods: REST and gRPC from anywhere (the public entry point); metrics as above.
 - Redis, when kvStore.redis.podSelector names its pods: only this InferenceService's engine pods,
   on kvStore.redis.port.
@@ -52,6 +53,8 @@ def _policy(owner: Owner, name: str, labels: dict, pod_selector: dict, ingress: 
 
 
 def engine_policy(owner: Owner, spec: dict, operator_namespace: str | None) -> dict:
+    # Engine pods admit each other whatever disaggregation.kvChannel says: a direct push needs it, and
+    # a policy that followed the channel would refuse the pushes still in flight while the gateway rolls.
     peers = [{"podSelector": {"matchLabels": names.selector(owner, "gateway")}},
              {"podSelector": {"matchLabels": names.selector(owner, "engine")}}]
     ingress = [{"from": peers, "ports": [_tcp(engine_pool.GRPC_PORT)]}]

@@ -10,11 +10,14 @@ from typing import Any
 
 Schema = dict[str, Any]
 
-# Kubernetes' own pattern for resource quantities ("500m", "8Gi", "1e3").
-QUANTITY_PATTERN = (
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+# Kubernetes' own pattern for resource quantities ("500m", "8Gi", "1e3"), its sign apart.
+_UNSIGNED_QUANTITY = (
+    r"(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
+QUANTITY_PATTERN = r"^(\+|-)?" + _UNSIGNED_QUANTITY
+# A size in bytes: a quantity without the minus sign (a negative one has no meaning).
+SIZE_PATTERN = r"^\+?" + _UNSIGNED_QUANTITY
 # A DNS label: object and namespace names.
 DNS_LABEL_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 # A folder is on a PersistentVolumeClaim or on the node, never both (model, adapters).
@@ -74,6 +77,18 @@ def quantity(description: str, *, default: Any = _UNSET) -> Schema:
     s: Schema = {
         "anyOf": [{"type": "integer"}, {"type": "string"}],
         "pattern": QUANTITY_PATTERN,
+        "x-kubernetes-int-or-string": True,
+    }
+    return _field(s, description, default)
+
+
+def size(description: str, *, default: Any = _UNSET) -> Schema:
+    """A size in bytes as a Kubernetes quantity ("8Gi" or an integer), never negative: the
+    pattern holds strings to it, `minimum` integers."""
+    s: Schema = {
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "pattern": SIZE_PATTERN,
+        "minimum": 0,
         "x-kubernetes-int-or-string": True,
     }
     return _field(s, description, default)

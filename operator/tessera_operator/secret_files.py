@@ -72,11 +72,14 @@ def internal_tls(spec: dict) -> SecretFiles:
 
 
 def engine_tls_args(spec: dict) -> list[str]:
-    """The engine serves its gRPC port with this certificate and demands one signed by the CA."""
-    if not spec.get("internalTLS"):
+    """The engine serves its gRPC port with this certificate and demands one signed by the CA;
+    it dials peer pods (the direct P/D channel) with the same certificate, checking theirs
+    against the CA and the service's server name, as the gateway does."""
+    tls = spec.get("internalTLS")
+    if not tls:
         return []
     return ["--tls-cert-file", f"{INTERNAL_TLS_DIR}/{TLS_CERT}", "--tls-key-file", f"{INTERNAL_TLS_DIR}/{TLS_KEY}",
-            "--tls-client-ca-file", f"{INTERNAL_TLS_DIR}/{TLS_CA}"]
+            "--tls-client-ca-file", f"{INTERNAL_TLS_DIR}/{TLS_CA}", "--tls-server-name", tls["serverName"]]
 
 
 def gateway_tls_config(spec: dict) -> dict | None:

@@ -41,7 +41,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., structured_outputs: _Optional[_Union[_structured_output_pb2.StructuredOutputs, _Mapping]] = ...) -> None: ...
 
 class KVTransferParams(_message.Message):
-    __slots__ = ("mode",)
+    __slots__ = ("mode", "direct_target")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_NONE: _ClassVar[KVTransferParams.Mode]
@@ -51,8 +51,32 @@ class KVTransferParams(_message.Message):
     MODE_PRODUCE: KVTransferParams.Mode
     MODE_CONSUME: KVTransferParams.Mode
     MODE_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_TARGET_FIELD_NUMBER: _ClassVar[int]
     mode: KVTransferParams.Mode
-    def __init__(self, mode: _Optional[_Union[KVTransferParams.Mode, str]] = ...) -> None: ...
+    direct_target: str
+    def __init__(self, mode: _Optional[_Union[KVTransferParams.Mode, str]] = ..., direct_target: _Optional[str] = ...) -> None: ...
+
+class KVBlock(_message.Message):
+    __slots__ = ("block_hash", "value")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    value: bytes
+    def __init__(self, block_hash: _Optional[bytes] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class PushKVBlocksRequest(_message.Message):
+    __slots__ = ("transfer_id", "blocks")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    blocks: _containers.RepeatedCompositeFieldContainer[KVBlock]
+    def __init__(self, transfer_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[KVBlock, _Mapping]]] = ...) -> None: ...
+
+class PushKVBlocksReply(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "cache_salt", "kv_transfer", "lora_name")

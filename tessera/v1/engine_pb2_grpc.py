@@ -64,6 +64,11 @@ class EngineStub:
                 request_serializer=tessera_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_engine__pb2.LoRAAdapterList.FromString,
                 _registered_method=True)
+        self.PushKVBlocks = channel.stream_unary(
+                '/tessera.v1.Engine/PushKVBlocks',
+                request_serializer=tessera_dot_v1_dot_engine__pb2.PushKVBlocksRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_engine__pb2.PushKVBlocksReply.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -114,6 +119,16 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushKVBlocks(self, request_iterator, context):
+        """The direct P/D channel: a prefill pod streams a request's KV blocks to the
+        decode pod the gateway picked. The pod keeps them in its inbox (bounded,
+        least recently used out) until a request consumes them; every value is
+        verified (MAC, header) when read, as Redis values are.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +161,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.UnloadLoRAAdapter,
                     request_deserializer=tessera_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_engine__pb2.LoRAAdapterList.SerializeToString,
+            ),
+            'PushKVBlocks': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushKVBlocks,
+                    request_deserializer=tessera_dot_v1_dot_engine__pb2.PushKVBlocksRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_engine__pb2.PushKVBlocksReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +330,33 @@ class Engine:
             '/tessera.v1.Engine/UnloadLoRAAdapter',
             tessera_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
             tessera_dot_v1_dot_engine__pb2.LoRAAdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKVBlocks(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tessera.v1.Engine/PushKVBlocks',
+            tessera_dot_v1_dot_engine__pb2.PushKVBlocksRequest.SerializeToString,
+            tessera_dot_v1_dot_engine__pb2.PushKVBlocksReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -31,6 +31,8 @@ def add_bench_parser(sub) -> None:
     profile.add_parser(kinds)
     from tessera_tools.bench import fleet
     fleet.add_parser(kinds)
+    from tessera_tools.bench import pd
+    pd.add_parser(kinds)
     bench.set_defaults(func=run_bench)
 
 

@@ -46,6 +46,8 @@ FIELD_OF_KWARG = {
     "kv_redis_ca_file": (KVStoreConfig, "redis_ca_file"),
     "kv_redis_cert_file": (KVStoreConfig, "redis_cert_file"),
     "kv_redis_key_file": (KVStoreConfig, "redis_key_file"),
+    "kv_inbox_bytes": (KVStoreConfig, "inbox_bytes"),
+    "kv_direct_timeout_s": (KVStoreConfig, "direct_timeout_s"),
     "max_loras": (LoRAConfig, "max_loras"),
     "max_lora_rank": (LoRAConfig, "max_lora_rank"),
     "max_cpu_loras": (LoRAConfig, "max_cpu_loras"),

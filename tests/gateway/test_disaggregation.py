@@ -13,6 +13,7 @@ import pytest
 from engine_pod import SamplingParams
 from engine_pod.server.process import EnginePodProcess
 from gateway.process import GatewayProcess
+from tests.engine_pod.server.client import scrape_metrics
 from tests.gateway.observe import aborted, in_flight
 from tests.gateway.conftest import MODEL_NAME, POD_ARGS, gateway_config
 
@@ -20,29 +21,33 @@ BLOCK = 16
 THRESHOLD = 48
 
 
-@pytest.fixture(scope="module")
-def pd_platform(tiny_llama, tmp_path_factory):
+def _pd_platform(model, work, decode_args: list[str], disaggregation: dict):
+    """A prefill pod and a decode pod sharing a Redis, behind a gateway."""
     from kv_store.local_redis import RedisServer
 
-    work = tmp_path_factory.mktemp("pd")
     redis = RedisServer(work)
     redis_args = ["--kv-redis-url", redis.url]
     try:
-        # The decode pod runs one sequence at a time, so a request of 8 choices
-        # lasts seconds and the cancellation test cannot race its end.
-        with EnginePodProcess(tiny_llama, POD_ARGS + redis_args + ["--role", "prefill"],
+        with EnginePodProcess(model, POD_ARGS + redis_args + ["--role", "prefill"],
                               log_path=work / "prefill.log") as prefill, \
-             EnginePodProcess(tiny_llama, POD_ARGS + redis_args + ["--role", "decode", "--max-num-seqs", "1"],
+             EnginePodProcess(model, POD_ARGS + redis_args + ["--role", "decode", *decode_args],
                               log_path=work / "decode.log") as decode:
             prefill.wait_serving()
             decode.wait_serving()
-            config = gateway_config(tiny_llama, [(prefill, "prefill"), (decode, "decode")],
-                                    disaggregation={"min_uncached_tokens": THRESHOLD})
+            config = gateway_config(model, [(prefill, "prefill"), (decode, "decode")], disaggregation=disaggregation)
             with GatewayProcess(config, work, log_path=work / "gateway.log") as gw:
                 gw.wait_ready(num_pods=2)
                 yield gw, prefill, decode
     finally:
         redis.stop()
+
+
+@pytest.fixture(scope="module")
+def pd_platform(tiny_llama, tmp_path_factory):
+    # The decode pod runs one sequence at a time, so a request of 8 choices
+    # lasts seconds and the cancellation test cannot race its end.
+    yield from _pd_platform(tiny_llama, tmp_path_factory.mktemp("pd"), ["--max-num-seqs", "1"],
+                            {"min_uncached_tokens": THRESHOLD})
 
 
 def _routing(gw) -> dict[tuple[str, str], float]:
@@ -128,3 +133,31 @@ def test_a_cancelled_stream_is_aborted_on_every_pod(pd_platform):
     assert in_flight(decode) == 0 and in_flight(prefill) == 0
     # One choice at a time: at most the first finished before the client left.
     assert aborted(decode) >= aborted_before + 7
+
+
+@pytest.fixture(scope="module")
+def pd_direct_platform(tiny_llama, tmp_path_factory):
+    """The gateway with ``kv_channel: direct``: the prefill pod pushes each
+    prompt's blocks to the decode pod the gateway picked."""
+    yield from _pd_platform(tiny_llama, tmp_path_factory.mktemp("pd-direct"), ["--kv-inbox-bytes", str(16 << 20)],
+                            {"min_uncached_tokens": THRESHOLD, "kv_channel": "direct"})
+
+
+def test_the_direct_channel_serves_the_decode_pod_and_matches_the_offline_engine(pd_direct_platform, offline_llm):
+    gw, prefill, decode = pd_direct_platform
+    prompt = " ".join(f"passage{i} of the pushed document" for i in range(20))
+    before_p, before_d = scrape_metrics(prefill), scrape_metrics(decode)
+    out = _complete(gw, prompt)
+    after_p, after_d = scrape_metrics(prefill), scrape_metrics(decode)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert out["choices"][0]["text"] == offline_llm.generate(prompt, params)[0].outputs[0].text
+    full_blocks = (out["usage"]["prompt_tokens"] - 1) // BLOCK
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == full_blocks * BLOCK
+
+    def grew(before, after, name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert grew(before_p, after_p, "tessera_kv_transfer_pushes_total", outcome="ok") == 1
+    assert grew(before_d, after_d, "tessera_kv_store_hits_total", tier="inbox") == full_blocks
+    assert grew(before_d, after_d, "tessera_kv_store_hits_total", tier="redis") == 0

@@ -6,7 +6,6 @@ pod learns nothing of a tenant's cached blocks, even knowing its name."""
 from __future__ import annotations
 
 import random
-from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import grpc
@@ -23,6 +22,7 @@ from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, InternalSecret
 from tessera.v1 import engine_pb2 as epb
 from tessera.v1 import engine_pb2_grpc as epb_grpc
 from tests.conftest import TEST_INTERNAL_SECRET
+from tests.tls_certs import write_test_certs
 from tests.gateway.conftest import KEYS, MODEL_NAME, POD_ARGS, gateway_config, write_tenants
 
 SECRET = InternalSecret.from_text(TEST_INTERNAL_SECRET)
@@ -92,54 +92,10 @@ def test_unreadable_tls_files_are_named(tmp_path):
 
 
 # -- mutual TLS -----------------------------------------------------------------
-def _write_certs(folder: Path) -> dict[str, str]:
-    """A CA, a server certificate for SERVER_NAME, a client certificate, and
-    a client certificate of another CA; PEM files in cert-manager's names."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.now(timezone.utc)
-
-    def issue(cn, issuer=None, *, usage=None, dns=None):
-        key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-        issuer_name, issuer_key = (issuer[0].subject, issuer[1]) if issuer else (name, key)
-        builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer_name)
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - timedelta(minutes=5)).not_valid_after(now + timedelta(days=1))
-                   .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True))
-        if issuer is None:
-            builder = builder.add_extension(x509.KeyUsage(
-                digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
-                decipher_only=False), critical=True)
-        if usage is not None:
-            builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        if dns is not None:
-            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(dns)]), critical=False)
-        return builder.sign(issuer_key, hashes.SHA256()), key
-
-    def write(stem, pair):
-        cert, key = pair
-        (folder / f"{stem}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (folder / f"{stem}.key").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-
-    ca, rogue_ca = issue("tessera-test-ca"), issue("rogue-ca")
-    write("ca", ca)
-    write("server", issue("engine", ca, usage=ExtendedKeyUsageOID.SERVER_AUTH, dns=SERVER_NAME))
-    write("client", issue("gateway", ca, usage=ExtendedKeyUsageOID.CLIENT_AUTH))
-    write("rogue", issue("rogue", rogue_ca, usage=ExtendedKeyUsageOID.CLIENT_AUTH))
-    return {name: str(folder / name) for name in ("ca.crt", "server.crt", "server.key", "client.crt",
-                                                    "client.key", "rogue.crt", "rogue.key")}
-
-
 @pytest.fixture(scope="module")
 def tls_pod(tiny_llama, tmp_path_factory):
     folder = tmp_path_factory.mktemp("tls")
-    certs = _write_certs(folder)
+    certs = write_test_certs(folder, SERVER_NAME)
     flags = ["--tls-cert-file", certs["server.crt"], "--tls-key-file", certs["server.key"],
              "--tls-client-ca-file", certs["ca.crt"]]
     with EnginePodProcess(tiny_llama, [*POD_ARGS, *flags], log_path=folder / "pod.log", health_port=True) as pod:

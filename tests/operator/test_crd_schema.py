@@ -103,6 +103,22 @@ def test_defaults_are_applied():
     assert reference_errors(out) == []
 
 
+def test_the_kv_channel_defaults_to_redis_with_a_1gi_inbox():
+    from gateway.config import KV_CHANNELS
+
+    properties = crd.openapi_schema()["properties"]["spec"]["properties"]["disaggregation"]["properties"]
+    assert properties["kvChannel"]["enum"] == list(KV_CHANNELS) and set(KV_CHANNELS) == {"redis", "direct"}
+    spec = validate_inference_service(make_isvc({"mode": "disaggregated"}))["spec"]
+    assert spec["disaggregation"] == {"minUncachedTokens": 256, "kvChannel": "redis", "inboxBytes": "1Gi"}
+
+
+@pytest.mark.parametrize("inbox", [0, 1 << 30, "0", "512Mi", "+2Gi", "1.5Gi", "4e9"])
+def test_an_inbox_is_any_size_from_zero(inbox):
+    obj = make_isvc({"mode": "disaggregated", "disaggregation": {"kvChannel": "direct", "inboxBytes": inbox}})
+    assert reference_errors(obj) == []
+    assert validate_inference_service(obj)["spec"]["disaggregation"]["inboxBytes"] == inbox
+
+
 @pytest.mark.parametrize("role", ["mixed", "prefill", "decode"])
 def test_every_pool_may_scale_on_concurrency(role):
     obj = make_isvc({"autoscaling": {role: {"signal": "concurrency", "targetConcurrencyPerReplica": 12.5}}})
@@ -140,6 +156,10 @@ INVALID = [
      "spec.engine.speculative.numSpeculativeTokens", True),
     ("too many drafts", {"engine": {"speculative": {"numSpeculativeTokens": 64}}},
      "spec.engine.speculative.numSpeculativeTokens", True),
+    ("unknown kv channel", {"disaggregation": {"kvChannel": "rdma"}}, "spec.disaggregation.kvChannel", True),
+    ("negative inbox", {"disaggregation": {"inboxBytes": "-1Gi"}}, "spec.disaggregation.inboxBytes", True),
+    ("negative integer inbox", {"disaggregation": {"inboxBytes": -1}}, "spec.disaggregation.inboxBytes", True),
+    ("inbox not a quantity", {"disaggregation": {"inboxBytes": "1 GB"}}, "spec.disaggregation.inboxBytes", True),
     # Cross-field rules: CEL on the cluster, so the reference JSON Schema validator cannot see them.
     ("min above max", {"pools": {"prefill": {"minReplicas": 5, "maxReplicas": 2}}}, "spec.pools.prefill", False),
     ("two model sources", {"model": {"hostPath": {"path": "/data/llama"}}}, "spec.model", False),

@@ -78,6 +78,23 @@ def test_engine_grpc_only_from_this_gateway_and_its_own_engines(pd):
             assert not admits(policies, engine, outsider, ENGINE_GRPC)
 
 
+def test_the_direct_kv_channel_lets_prefill_pods_push_to_decode_pods():
+    """kvChannel direct: a prefill pod pushes KV to a decode pod's gRPC port. The engine policy
+    already admits the service's own engine pods there, so both channels render the same policies;
+    another InferenceService's prefill pods stay out."""
+    def objects(channel: str, name: str = "llama") -> list[dict]:
+        return desired_objects(make_isvc({"mode": "disaggregated", "disaggregation": {"kvChannel": channel}},
+                                         name=name), operator_namespace=OPERATOR_NS)
+
+    direct = objects("direct")
+    policies = policies_of(direct)
+    decode, prefill = pod_of(direct, "llama-decode"), pod_of(direct, "llama-prefill")
+    assert admits(policies, decode, prefill, ENGINE_GRPC)
+    assert not admits(policies, decode, prefill, ENGINE_METRICS)
+    assert not admits(policies, decode, pod_of(objects("direct", "other"), "other-prefill"), ENGINE_GRPC)
+    assert policies_of(objects("redis")) == policies
+
+
 def test_metrics_ports_only_from_the_operator_and_monitoring_namespaces(pd):
     policies = policies_of(pd)
     for target, port in ((pod_of(pd, "llama-decode"), ENGINE_METRICS), (pod_of(pd, "llama-gateway"), GATEWAY_METRICS)):

@@ -52,7 +52,7 @@ FULL_SPEC = {
                                     {"name": "batch", "priority": 20, "weight": 1, "sheddable": True}],
                 "defaultPriorityClass": "gold",
                 "resources": {"requests": {"cpu": "2"}}},
-    "disaggregation": {"minUncachedTokens": 1024},
+    "disaggregation": {"minUncachedTokens": 1024, "kvChannel": "direct", "inboxBytes": "2Gi"},
     "autoscaling": {"enabled": False},
     "internalSecretRef": {"name": "shared-internal", "key": "secret"},
     "internalTLS": {"secretName": "llama-internal-tls", "serverName": "engine.llama.internal"},
@@ -96,6 +96,7 @@ def test_engine_args_carry_every_engine_field(full):
     for flag, value in expected.items():
         assert arg_value(args, flag) == value, flag
     assert "--no-prefix-caching" in args
+    assert "--kv-inbox-bytes" not in args  # a prefill pod pushes; only decode pods take pushes
     # The password never appears in the pod spec nor on the command line (not even as $(VAR)):
     # the engine reads the URL from its environment, set from the Secret.
     assert "--kv-redis-url" not in args and not [a for a in args if "$(" in a]
@@ -177,6 +178,7 @@ def test_engine_args_parse_with_the_engine_cli(full):
     assert (args.role, args.block_size, args.max_num_seqs, args.tensor_parallel_size) == ("decode", 32, 64, 1)
     assert args.no_prefix_caching and args.kv_host_bytes == 2 * 1024**3
     assert args.attention_backend == "triton"
+    assert args.kv_inbox_bytes == 2 * 1024**3  # disaggregation.inboxBytes, with kvChannel direct
     # The engine's own parser of the flag takes it, with the schema's defaults filled in.
     from engine_pod.spec_decode.config import SpeculativeConfig
 
@@ -205,6 +207,70 @@ def test_disaggregated_tp4_prefill_and_tp2_decode_with_both_kv_tiers():
         assert (args.tensor_parallel_size, args.kv_host_bytes) == (tp, 2 * 1024**3)
         assert "TESSERA_KV_REDIS_URL" in {e["name"] for e in container(objects, pool)["env"]}
         assert container(objects, pool)["resources"]["limits"]["amd.com/gpu"] == tp
+
+
+def _engine_parser():
+    import argparse
+
+    from engine_pod.server.main import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser
+
+
+DIRECT = {"mode": "disaggregated", "disaggregation": {"kvChannel": "direct"}}
+# (case, spec, engine Deployment -> its --kv-inbox-bytes, None where it has none)
+INBOX_CASES = [
+    ("redis, the default", {"mode": "disaggregated"}, {"llama-prefill": None, "llama-decode": None}),
+    ("redis, an inbox size ignored", {"mode": "disaggregated", "disaggregation": {"inboxBytes": "2Gi"}},
+     {"llama-prefill": None, "llama-decode": None}),
+    ("direct, the default inbox", DIRECT, {"llama-prefill": None, "llama-decode": 1 << 30}),
+    ("direct, an integer inbox", {**DIRECT, "disaggregation": {"kvChannel": "direct", "inboxBytes": 256 << 20}},
+     {"llama-prefill": None, "llama-decode": 256 << 20}),
+    ("direct, a fractional quantity", {**DIRECT, "disaggregation": {"kvChannel": "direct", "inboxBytes": "1.5Gi"}},
+     {"llama-prefill": None, "llama-decode": 3 << 29}),
+    ("direct, the inbox off", {**DIRECT, "disaggregation": {"kvChannel": "direct", "inboxBytes": 0}},
+     {"llama-prefill": None, "llama-decode": 0}),
+    ("direct in mixed mode", {"disaggregation": {"kvChannel": "direct"}}, {"llama-engine": None}),
+]
+
+
+@pytest.mark.parametrize("case", INBOX_CASES, ids=[c[0] for c in INBOX_CASES])
+def test_only_decode_pods_of_the_direct_channel_get_an_inbox(case):
+    """--kv-inbox-bytes goes to decode pods with kvChannel direct, nowhere else (the gateway splits
+    requests only between a prefill and a decode pool); the engine's own parser and KV store
+    config accept the value."""
+    from engine_pod.config import KVStoreConfig
+    from engine_pod.entrypoints.cli_args import engine_kwargs
+    from tessera.internal_secret import InternalSecret
+
+    _, spec, expected = case
+    objects = desired_objects(make_isvc(spec))
+    engines = {o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"} - {"llama-gateway"}
+    assert engines == set(expected)
+    for name, inbox in expected.items():
+        args = container(objects, name)["args"]
+        assert (arg_value(args, "--kv-inbox-bytes") if "--kv-inbox-bytes" in args else None) == (
+            None if inbox is None else str(inbox)), name
+        kwargs = engine_kwargs(_engine_parser().parse_args(args))
+        assert kwargs["kv_inbox_bytes"] == (inbox or 0)
+        # The pods hold the internal secret (a mounted file), which keys the MAC of pushed blocks.
+        KVStoreConfig(inbox_bytes=kwargs["kv_inbox_bytes"], mac_key=InternalSecret.generate().kv_mac_key)
+
+
+@pytest.mark.parametrize("channel", ["redis", "direct"])
+def test_the_gateway_config_names_the_kv_channel(channel):
+    config = _gateway_yaml({"mode": "disaggregated", "disaggregation": {"kvChannel": channel}})
+    assert config["disaggregation"] == {"min_uncached_tokens": 256, "kv_channel": channel}
+    assert gateway_config_from_dict(config).disaggregation.kv_channel == channel
+
+
+def test_the_default_kv_channel_is_the_gateways():
+    """An InferenceService that leaves kvChannel unset runs the gateway as it runs without the key."""
+    from gateway.config import DisaggregationConfig
+
+    assert _gateway_yaml({"mode": "disaggregated"})["disaggregation"]["kv_channel"] == DisaggregationConfig().kv_channel
 
 
 def test_engine_choices_in_the_schema_are_the_engines():
@@ -316,7 +382,7 @@ def test_gateway_config_file(full):
         "priority_classes": [{"name": "gold", "priority": 0, "weight": 8, "sheddable": False},
                              {"name": "batch", "priority": 20, "weight": 1, "sheddable": True}],
         "default_priority_class": "gold",
-        "disaggregation": {"min_uncached_tokens": 1024},
+        "disaggregation": {"min_uncached_tokens": 1024, "kv_channel": "direct"},
         "internal": {"tls": {"ca_file": "/etc/tessera/internal-tls/ca.crt",
                              "cert_file": "/etc/tessera/internal-tls/tls.crt",
                              "key_file": "/etc/tessera/internal-tls/tls.key",
@@ -326,6 +392,7 @@ def test_gateway_config_file(full):
     loaded = gateway_config_from_dict(config)
     assert loaded.pods.kubernetes.services == {"prefill": "llama-prefill", "decode": "llama-decode"}
     assert loaded.server.metrics_port == 9090 and loaded.internal.tls.server_name == "engine.llama.internal"
+    assert loaded.disaggregation.kv_channel == "direct"
 
 
 def test_gateway_pod_mounts_config_tenants_and_model(full):

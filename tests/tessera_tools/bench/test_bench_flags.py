@@ -94,6 +94,18 @@ BAD = [
     ("fleet", "--scale-up-window", "-1"),
     ("fleet", "--scale-down-window", "nan"),
     ("fleet", "--startup-delay", "-2"),
+    ("pd", "--tp", "1,0"),
+    ("pd", "--modes", "mixed,fast"),
+    ("pd", "--modes", "redis,redis"),
+    ("pd", "--rate", "0"),
+    ("pd", "--rate", "nan"),
+    ("pd", "--requests", "0"),
+    ("pd", "--rounds", "0"),
+    ("pd", "--prompt-tokens", "0"),
+    ("pd", "--concurrency", "-1"),
+    ("pd", "--goodput", "itl:50"),
+    ("pd", "--goodput", "ttft:0"),
+    ("pd", "--min-uncached-tokens", "-1"),
 ]
 
 
@@ -132,6 +144,10 @@ def test_every_benchmark_has_a_bad_value_case():
     (_argv("fuzz", "--valid", "0"), {"valid": 0, "malformed": 1000}),
     (_argv("serve", "--max-concurrency", "4"), {"max_concurrency": 4, "burstiness": 1.0, "num_warmups": 1}),
     (_argv("serve"), {"max_concurrency": None}),
+    (_argv("pd"), {"tp": [1], "modes": ["mixed", "redis", "direct"], "prompt_tokens": 2016, "output_tokens": 32,
+                   "rounds": 3, "concurrency": 1, "out": "bench-results/pd.json"}),
+    (_argv("pd", "--tp", "1,2", "--modes", "direct,redis", "--rate", "inf", "--goodput", "ttft:500", "tpot:50"),
+     {"tp": [1, 2], "modes": ["direct", "redis"], "rate": float("inf"), "goodput": [("ttft", 500.0), ("tpot", 50.0)]}),
     (_argv("profile"), {"holdout": 0.2, "budgets": [128, 1024], "output": None, "threads": 0}),
 ])
 def test_good_values_and_defaults_parse(argv, expected):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import stat
 from pathlib import Path
@@ -65,7 +66,28 @@ def test_disaggregated_example_needs_redis_and_gets_its_url_by_environment(tiny_
         assert _engine_flags(engine.args)["--kv-redis-key-prefix"] == "tessera:default/local-pd:"
         assert "hunter2" not in repr(engine)  # nor in a log line of the plan
     assert "hunter2" not in yaml.safe_dump(plan.gateway_config)
-    assert plan.gateway_config["disaggregation"] == {"min_uncached_tokens": 64}
+    assert plan.gateway_config["disaggregation"] == {"min_uncached_tokens": 64, "kv_channel": "direct"}
+
+
+def test_disaggregated_example_pushes_kv_from_the_prefill_to_the_decode_pod(tiny_llama):
+    """kvChannel direct locally: the decode pod gets an inbox, the gateway the channel, and the
+    address the gateway names to the prefill pod is the decode pod's loopback gRPC port."""
+    from engine_pod.entrypoints.cli_args import engine_kwargs
+    from engine_pod.server.main import add_parser
+    from gateway.config import gateway_config_from_dict
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    plan = build_plan(_example("local-disaggregated.yaml"),
+                      LocalOptions(models_dir=tiny_llama.parent, redis_url="redis://127.0.0.1:1/0"), _ports())
+    prefill, decode = plan.engines
+    assert _engine_flags(decode.args)["--kv-inbox-bytes"] == str(256 << 20)
+    assert "--kv-inbox-bytes" not in prefill.args
+    assert engine_kwargs(parser.parse_args(decode.args))["kv_inbox_bytes"] == 256 << 20
+    gateway = gateway_config_from_dict(plan.gateway_config)
+    assert gateway.disaggregation.kv_channel == "direct"
+    assert {"address": decode.address, "role": "decode"} in plan.gateway_config["pods"]["static"]
+    assert decode.address == f"127.0.0.1:{_engine_flags(decode.args)['--grpc-port']}"
 
 
 def test_cluster_only_credentials_are_dropped_locally_with_a_warning(tiny_llama):
@@ -100,8 +122,6 @@ def test_the_secret_file_is_private_from_its_creation(tmp_path):
 
 
 def test_engine_args_parse_with_the_engines_own_parser(tiny_llama):
-    import argparse
-
     from engine_pod.server.main import add_parser
 
     parser = argparse.ArgumentParser()
