@@ -96,7 +96,8 @@ class EngineCore:
             # Imported here: a simulated engine (no LoRA) never loads torch.
             from engine_pod.engine.lora_loader import LoRALoader
 
-            self.lora_loader = LoRALoader(config.lora.host_capacity, config.model.dtype, self._adapters_in_use)
+            self.lora_loader = LoRALoader(config.lora.host_capacity, config.model.dtype, self._adapters_in_use,
+                                          config.lora.read_timeout_s)
         self.scheduler = Scheduler(
             config.scheduler, kv, connector, self.structured_output, self.lora_loader,
             config.lora.max_loras if config.lora is not None else 0,

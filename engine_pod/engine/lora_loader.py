@@ -9,6 +9,11 @@ megabytes at most.
 Everything but the read itself runs on the engine thread, so the host cache
 changes only between steps: an adapter the scheduler found ready is still
 here when the engine core attaches its weights to the step.
+
+A read that outlives ``read_timeout_s`` (a hung network volume) is given up:
+its requests end with the cause, the reader thread is left to its read and
+a new one takes the reads queued behind it; the adapter is refused for as
+long again before it is read anew.
 """
 
 from __future__ import annotations
@@ -34,13 +39,20 @@ class LoRALoader:
     evicted, so when all of them are in use the cache holds more than
     ``capacity`` until some finish (a soft limit, not a refusal)."""
 
-    def __init__(self, capacity: int, model_dtype: torch.dtype, in_use: Callable[[], set[int]]) -> None:
+    def __init__(self, capacity: int, model_dtype: torch.dtype, in_use: Callable[[], set[int]],
+                 read_timeout_s: float = 120.0) -> None:
         self.capacity = capacity
         self.model_dtype = model_dtype
         self.in_use = in_use
+        self.read_timeout_s = read_timeout_s
         self._ready: OrderedDict[int, AdapterWeights] = OrderedDict()
-        self._reading: dict[int, cf.Future[AdapterWeights]] = {}
-        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
+        # Reads under way or queued behind one: (future, its spec).
+        self._reading: dict[int, tuple[cf.Future[AdapterWeights], AdapterSpec]] = {}
+        # When each read under way began (set by the reader thread): its deadline runs from there.
+        self._started: dict[int, float] = {}
+        # Adapters whose read was given up: (the error, until when it is refused).
+        self._hung: dict[int, tuple[str, float]] = {}
+        self._pool = _reader_pool()
         # Seconds each adapter's last read took (the load-time metric).
         self.load_seconds: dict[str, float] = {}
         # The ids in host memory, replaced (never mutated) on every change: other
@@ -52,13 +64,19 @@ class LoRALoader:
         if lora_id in self._ready:
             self._ready.move_to_end(lora_id)
             return True
-        future = self._reading.get(lora_id)
-        if future is None:
-            self._reading[lora_id] = self._pool.submit(self._read, spec)
+        self._check_not_hung(spec)
+        reading = self._reading.get(lora_id)
+        if reading is None:
+            self._reading[lora_id] = (self._pool.submit(self._read, spec), spec)
             return False
+        future = reading[0]
         if not future.done():
+            started = self._started.get(lora_id)
+            if started is not None and time.monotonic() - started > self.read_timeout_s:
+                self._give_up(spec)
             return False
         del self._reading[lora_id]
+        self._started.pop(lora_id, None)
         self._ready[lora_id] = future.result()  # a read that failed raises its ValueError here
         self._evict()
         self.resident_ids = frozenset(self._ready)
@@ -66,7 +84,7 @@ class LoRALoader:
 
     def wait(self, timeout: float) -> None:
         if self._reading:
-            cf.wait(list(self._reading.values()), timeout, return_when=cf.FIRST_COMPLETED)
+            cf.wait([future for future, _ in self._reading.values()], timeout, return_when=cf.FIRST_COMPLETED)
 
     def get(self, lora_id: int) -> AdapterWeights:
         return self._ready[lora_id]
@@ -78,7 +96,33 @@ class LoRALoader:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def _check_not_hung(self, spec: AdapterSpec) -> None:
+        hung = self._hung.get(spec.lora_int_id)
+        if hung is None:
+            return
+        error, until = hung
+        if time.monotonic() < until:
+            raise ValueError(error)
+        del self._hung[spec.lora_int_id]  # refused long enough: read it anew
+
+    def _give_up(self, spec: AdapterSpec) -> None:
+        """A read past its deadline: its requests end (ValueError, as a failed
+        read's do); a new reader thread takes the reads queued behind it."""
+        error = (f"LoRA adapter {spec.name!r}: reading its files took over {self.read_timeout_s:.0f} s "
+                 f"(a hung volume?); its requests end")
+        self._hung[spec.lora_int_id] = (error, time.monotonic() + self.read_timeout_s)
+        del self._reading[spec.lora_int_id]
+        self._started.pop(spec.lora_int_id, None)
+        stuck, self._pool = self._pool, _reader_pool()
+        stuck.shutdown(wait=False, cancel_futures=True)  # the stuck thread ends when its read does
+        for lora_id, (future, queued) in list(self._reading.items()):
+            if future.cancelled():
+                self._reading[lora_id] = (self._pool.submit(self._read, queued), queued)
+        logger.error("%s", error)
+        raise ValueError(error)
+
     def _read(self, spec: AdapterSpec) -> AdapterWeights:
+        self._started[spec.lora_int_id] = time.monotonic()
         start = time.perf_counter()
         weights = load_adapter_weights(spec, self.model_dtype)
         self.load_seconds[spec.name] = time.perf_counter() - start
@@ -95,3 +139,8 @@ class LoRALoader:
                 break
             if lora_id not in keep:
                 del self._ready[lora_id]
+
+
+def _reader_pool() -> cf.ThreadPoolExecutor:
+    # One reader: adapters are read one after another, never competing for the disk.
+    return cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")

@@ -20,6 +20,9 @@ class LoRAConfig:
     max_cpu_loras: int | None = None
     """Adapters kept loaded in host memory (least recently used evicted);
     None: max_loras. Never fewer than max_loras."""
+    read_timeout_s: float = 120.0
+    """Seconds an adapter's files may take to read (a hung network volume):
+    past it the requests waiting on it end, and later reads go on."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_loras, int) or self.max_loras < 1:
@@ -29,6 +32,8 @@ class LoRAConfig:
                 f"max_lora_rank must be one of {', '.join(map(str, SUPPORTED_MAX_LORA_RANKS))}, "
                 f"got {self.max_lora_rank!r}"
             )
+        if not self.read_timeout_s > 0:
+            raise ValueError(f"LoRA read_timeout_s must be > 0 seconds, got {self.read_timeout_s!r}")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         if not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras:

@@ -131,3 +131,42 @@ def test_an_adapter_that_cannot_be_read_ends_its_requests_only(tiny_llama, tiny_
     assert request.status == RequestStatus.FINISHED_ABORTED
     assert any(o.request_id == "doomed" and o.finish_reason == "abort" for o in outputs)
     assert other.is_finished and other.num_output_tokens == 2
+
+
+def test_a_hung_read_ends_its_requests_and_the_next_adapter_is_read(tiny_llama, tiny_llama_loras, monkeypatch):
+    """An adapter's read never returns (a hung volume): past read_timeout_s
+    its request ends; the adapter queued behind it is read by a new reader
+    and its request gives the tokens a fresh engine gives; the hung adapter
+    is refused at once for a while after."""
+    import time
+
+    release = threading.Event()
+    real_load = lora_loader.load_adapter_weights
+    hung_lora, next_lora = _loras(tiny_llama_loras)[:2]
+
+    def load(spec, dtype):
+        if spec.name == hung_lora.lora_name:
+            release.wait(30)
+        return real_load(spec, dtype)
+
+    monkeypatch.setattr(lora_loader, "load_adapter_weights", load)
+    llm = LLM(str(tiny_llama), **ENGINE_KW, max_loras=2)
+    llm.engine_core.lora_loader.read_timeout_s = 0.5
+    try:
+        hung = _add(llm, "hung", [5, 6, 7, 8], hung_lora)
+        queued = _add(llm, "queued", [5, 6, 7, 8], next_lora)
+        outputs, deadline = [], time.monotonic() + 20
+        while llm.engine_core.has_unfinished_requests() and time.monotonic() < deadline:
+            outputs += llm.engine_core.step()
+        assert hung.status == RequestStatus.FINISHED_ABORTED
+        assert any(o.request_id == "hung" and o.finish_reason == "abort" for o in outputs)
+        assert queued.is_finished and queued.num_output_tokens == 4
+        with pytest.raises(ValueError, match="took over"):
+            _add(llm, "again", [9, 10], hung_lora)
+    finally:
+        release.set()
+    monkeypatch.setattr(lora_loader, "load_adapter_weights", real_load)
+    fresh = LLM(str(tiny_llama), **ENGINE_KW, max_loras=2)
+    expected = fresh.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
+                              SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), lora_request=next_lora)
+    assert queued.output_token_ids == expected[0].outputs[0].token_ids
