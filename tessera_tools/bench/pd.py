@@ -55,14 +55,13 @@ def mode_list(text: str) -> list[str]:
 
 
 def request_rate(text: str) -> float:
-    """Requests/s of the Poisson arrivals: a number > 0, or inf (all at once)."""
+    """Requests/s of the Poisson arrivals: bench serve's rate (a number > 0, or inf: all at once)."""
+    from tessera_tools.bench.serve.arrivals import parse_rate
+
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected requests/s or inf, got {text!r}") from None
-    if not value > 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text!r}")
-    return value
+        return parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def slo_spec(text: str) -> tuple[str, float]:
