@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -63,6 +64,8 @@ class DirectSenderConfig:
     """Deadline of one push, from its first block to the decode pod's reply."""
     max_message_bytes: int = 8 << 20
     """Blocks are batched into messages of at most this many bytes (at least one block each)."""
+    max_channels: int = 64
+    """Channels to decode pods kept open at most (least recently used closed first)."""
 
 
 class _Transfer:
@@ -90,7 +93,7 @@ class DirectSender:
         self._client: InternalClient | None = None
         self.config = config
         self._transfers: dict[str, _Transfer] = {}
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: OrderedDict[str, grpc.Channel] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
 
     def send(self, transfer_id: str, target: str, block_hash: bytes, value: bytes) -> None:
@@ -130,7 +133,7 @@ class DirectSender:
     def close(self) -> None:
         with self._lock:
             transfers, self._transfers = list(self._transfers.values()), {}
-            channels, self._channels = list(self._channels.values()), {}
+            channels, self._channels = list(self._channels.values()), OrderedDict()
         for transfer in transfers:
             transfer.result.cancel()
             transfer.finished.set()
@@ -202,4 +205,14 @@ class DirectSender:
                 limit = self.config.max_message_bytes + (1 << 20)
                 channel = self._channels[target] = self._client.channel(
                     target, options=[("grpc.max_send_message_length", limit)])
+                self._close_idle_channels()
+            self._channels.move_to_end(target)
             return channel
+
+    def _close_idle_channels(self) -> None:
+        """Keep at most max_channels: decode pods come and go (new addresses),
+        and a channel to one long gone would otherwise stay open for ever.
+        The least recently used go first, never one a transfer is using."""
+        busy = {t.target for t in self._transfers.values()}
+        for target in [t for t in self._channels if t not in busy][: len(self._channels) - self.config.max_channels]:
+            self._channels.pop(target).close()

@@ -199,19 +199,20 @@ class TieredKVStore:
         ``transfers``: the blocks streamed to a decode pod instead (the direct channel; Redis
         still gets them behind, as the shared prefix tier)."""
         now: list[tuple[bytes, bytes]] = []
-        # The blocks pushed directly: not written to Redis synchronously (the push is their way
-        # to the decode pod); each sent once, if two requests of the step saved it.
-        pending = dict(transfers) if transfers and self.sender is not None else {}
-        direct = set(pending)
+        pushed: set[bytes] = set()  # a block two requests of the step saved is pushed once
         for block_hash, payload, sync_remote in blocks:
             value = self.codec.encode(block_hash, payload)
             if self.host.put(block_hash, value):
                 with self._stats_lock:
                     self.stats.bytes_written_host += len(value)
-            for transfer_id, target in pending.pop(block_hash, ()):
-                self.sender.send(transfer_id, target, block_hash, value)  # type: ignore[union-attr]
-            if block_hash in direct:
+            pushes = transfers.get(block_hash) if transfers and self.sender is not None else None
+            if pushes:
+                # The push is its way to the decode pod: Redis gets it behind, not now.
                 sync_remote = False
+                if block_hash not in pushed:
+                    pushed.add(block_hash)
+                    for transfer_id, target in pushes:
+                        self.sender.send(transfer_id, target, block_hash, value)  # type: ignore[union-attr]
             if self.remote is None:
                 continue
             if sync_remote:

@@ -31,6 +31,7 @@ def test_defaults_and_nested_overrides():
     ({"pods": {"static": [{"address": "h:1"}], "file": {"path": "/p"}}}, "give one of"),
     ({"pods": {"file": {"path": "/p", "poll_interval_s": 0}}}, "pods.file.poll_interval_s must be > 0"),
     ({"model": {"name": "m", "path": "/p", "block_size": 0}}, "model.block_size must be > 0"),
+    ({"disaggregation": {"kv_channel": "nixl"}}, "disaggregation.kv_channel must be one of redis, direct, got 'nixl'"),
     ({"server": {"http_port": True}}, "server.http_port: expected int"),
     ({"server": {"metrics_port": 8000}}, "server.metrics_port must differ from server.http_port"),
     ({"server": {"metrics_port": 70000}}, "server.metrics_port must be in [0, 65535]"),

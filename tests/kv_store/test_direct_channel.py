@@ -44,15 +44,36 @@ class _DecodePod(pb_grpc.EngineServicer):
         return pb.PushKVBlocksReply(num_blocks=n)
 
 
-@pytest.fixture
-def decode_pod():
-    servicer = _DecodePod()
+def _serve(servicer: _DecodePod) -> tuple[grpc.Server, str]:
     server = grpc.server(futures.ThreadPoolExecutor(4))
     pb_grpc.add_EngineServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    yield servicer, f"127.0.0.1:{port}"
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def decode_pod():
+    servicer = _DecodePod()
+    server, address = _serve(servicer)
+    yield servicer, address
     server.stop(None)
+
+
+def test_channels_to_decode_pods_that_come_and_go_are_bounded():
+    """Pushes to three decode pods in turn, at most two channels kept: the
+    least recently used is closed, and a push to its pod dials anew."""
+    servers = [_serve(_DecodePod()) for _ in range(3)]
+    sender = _sender(max_channels=2)
+    try:
+        for i, (_, address) in enumerate([*servers, servers[0]]):
+            sender.send(f"req-{i}", address, block_hash(i), _encoded(i))
+            assert sender.finish(f"req-{i}").result(timeout=10).channel == "direct"
+        assert list(sender._channels) == [servers[2][1], servers[0][1]]
+    finally:
+        sender.close()
+        for server, _ in servers:
+            server.stop(None)
 
 
 def _sender(fallback=None, **config) -> DirectSender:

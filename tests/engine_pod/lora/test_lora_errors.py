@@ -157,6 +157,14 @@ def test_bad_lora_settings(tiny_llama, kwargs, match):
         create_engine_config(tiny_llama, enable_lora=True, **kwargs)
 
 
+@pytest.mark.parametrize("seconds", [0, -1.0, float("nan")])
+def test_a_read_timeout_must_be_positive(seconds):
+    from engine_pod.lora.config import LoRAConfig
+
+    with pytest.raises(ValueError, match="read_timeout_s must be > 0"):
+        LoRAConfig(read_timeout_s=seconds)
+
+
 def test_files_changed_after_the_check_are_not_loaded(tiny_llama, adapter, tiny_llama_loras):
     """The bytes read must be the bytes checked: otherwise KV would be
     cached under the first files' identity for other weights."""
