@@ -2,6 +2,11 @@
 producing request's KV blocks straight to the decode pod the gateway picked
 (the Engine service's PushKVBlocks), instead of through Redis.
 
+A push first asks the decode pod for its inbox socket (``OpenKVInbox``) and,
+given a ticket, streams the blocks there (kv_store/inbox_socket.py: plain
+frames, several times gRPC's throughput); a pod without one takes them over
+the ``PushKVBlocks`` stream instead.
+
 One transfer per request, on a thread of its own: the engine step only
 queues the blocks it filled (``send``), so the push of a long prompt's first
 chunks overlaps the compute of its later ones, and signing (the MAC every
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import ssl
 import threading
 import time
 from collections import OrderedDict
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kv_store.inbox_socket import InboxUnreachable, push_blocks
 from tessera.internal_channel import InternalClient
 from tessera.v1 import engine_pb2 as pb
 from tessera.v1 import engine_pb2_grpc as pb_grpc
@@ -54,6 +61,8 @@ class TransferResult:
     """From the first block queued to the last one delivered."""
     error: str | None = None
     """Why the direct push failed (None: it did not)."""
+    data_path: str = "grpc"
+    """How a direct push travelled: "socket" (the decode pod's inbox socket) or "grpc" (PushKVBlocks)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,7 @@ class _Transfer:
     def __init__(self, transfer_id: str, target: str) -> None:
         self.transfer_id = transfer_id
         self.target = target
+        self.data_path = "grpc"  # "socket" once the decode pod's inbox socket took the blocks
         self.queue: queue.Queue[_Block | None] = queue.Queue()
         # Every block queued, kept until the decode pod answers: the fallback
         # takes them all, whatever part of the queue the push consumed.
@@ -91,6 +101,7 @@ class DirectSender:
         self._fallback = fallback
         self._make_client = client
         self._client: InternalClient | None = None
+        self._socket_tls: ssl.SSLContext | None = None
         self.config = config
         self._transfers: dict[str, _Transfer] = {}
         self._channels: OrderedDict[str, grpc.Channel] = OrderedDict()  # least recently used first
@@ -146,18 +157,58 @@ class DirectSender:
         error = None
         try:
             stub = pb_grpc.EngineStub(self._channel(transfer.target))  # type: ignore[no-untyped-call]  # generated
-            reply = stub.PushKVBlocks(self._messages(transfer), timeout=self.config.timeout_s)
-            if reply.num_blocks != len(transfer.blocks):
-                error = f"the decode pod took {reply.num_blocks} of {len(transfer.blocks)} blocks"
+            taken = self._push(stub, transfer)
+            if taken != len(transfer.blocks):
+                error = f"the decode pod took {taken} of {len(transfer.blocks)} blocks"
         except grpc.RpcError as e:
             error = f"{e.code().name}: {e.details()}"
-        except Exception as e:  # no secret to dial with, a bad address: fall back, never crash the pod
+        except Exception as e:  # no secret to dial with, a bad address, a refused socket: fall back, never crash
             error = f"{type(e).__name__}: {e}"
         if error is not None:
             # Blocks still come until the request's last step: the fallback takes them all.
             transfer.finished.wait(self.config.timeout_s)
         if not transfer.result.cancelled():
             transfer.result.set_result(self._outcome(transfer, error))
+
+    def _push(self, stub: pb_grpc.EngineStub, transfer: _Transfer) -> int:
+        """Blocks the decode pod took: over its inbox socket when it has one, else the gRPC stream."""
+        start = time.monotonic()
+        opened = self._open_inbox(stub, transfer)
+        if opened.port:
+            host = transfer.target.rsplit(":", 1)[0].strip("[]")
+            tls = self._client.tls if self._client is not None else None
+            try:
+                taken = push_blocks(host, opened.port, opened.ticket, self._signed_blocks(transfer),
+                                    self.config.timeout_s - (time.monotonic() - start), self._tls_context(),
+                                    tls.server_name if tls is not None else None)
+                transfer.data_path = "socket"
+                return taken
+            except InboxUnreachable as e:  # nothing sent yet (a policy drops the port?): gRPC carries it
+                logger.warning("kv transfer %s: %s; pushing over gRPC", transfer.transfer_id, e)
+        return int(stub.PushKVBlocks(self._messages(transfer), timeout=self.config.timeout_s).num_blocks)
+
+    def _open_inbox(self, stub: pb_grpc.EngineStub, transfer: _Transfer) -> pb.OpenKVInboxReply:
+        try:
+            reply: pb.OpenKVInboxReply = stub.OpenKVInbox(pb.OpenKVInboxRequest(transfer_id=transfer.transfer_id),
+                                                          timeout=self.config.timeout_s)
+            return reply
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            return pb.OpenKVInboxReply(port=0)  # a pod of an older release: gRPC only
+
+    def _signed_blocks(self, transfer: _Transfer) -> Iterator[tuple[bytes, bytes]]:
+        """The transfer's blocks, signed, as they are queued, until ``finish``."""
+        while (item := transfer.queue.get()) is not _END:
+            yield item[0], self._sign(item[1])
+
+    def _tls_context(self) -> ssl.SSLContext | None:
+        """The socket's TLS: the pod's own certificate, as on its gRPC channels (None: plaintext)."""
+        with self._lock:
+            tls = self._client.tls if self._client is not None else None
+            if tls is not None and self._socket_tls is None:
+                self._socket_tls = tls.ssl_context()
+            return self._socket_tls
 
     def _messages(self, transfer: _Transfer) -> Iterator[pb.PushKVBlocksRequest]:
         """The transfer's blocks as they are queued, signed and batched (what
@@ -189,7 +240,7 @@ class DirectSender:
         num_bytes = sum(len(v) for _, v in blocks)
         elapsed = time.perf_counter() - transfer.start
         if error is None:
-            return TransferResult("direct", len(blocks), num_bytes, elapsed)
+            return TransferResult("direct", len(blocks), num_bytes, elapsed, data_path=transfer.data_path)
         logger.warning("kv transfer %s to %s failed (%s); %s", transfer.transfer_id, transfer.target, error,
                        "falling back to Redis" if self._fallback else "no fallback: the decode pod recomputes")
         landed = self._fallback is not None and self._fallback([(h, self._sign(v)) for h, v in blocks])

@@ -64,6 +64,8 @@ class KVStoreStats:
     transfer_seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     # Direct pushes by outcome: "ok", "fallback" (the blocks went to Redis), "failed" (nowhere).
     pushes: Counter[str] = field(default_factory=Counter)
+    # Pushes a decode pod took, by data path: "socket" (its inbox socket) or "grpc" (PushKVBlocks).
+    push_paths: Counter[str] = field(default_factory=Counter)
     writes_dropped: int = 0
     load_seconds: float = 0.0
     loads: int = 0
@@ -78,7 +80,7 @@ class KVStoreStats:
     def as_dict(self) -> dict[str, float]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if not isinstance(getattr(self, f.name), dict)}
         out.update({f"rejected_{tier}_{reason}": n for (tier, reason), n in self.rejected.items()})
-        for name in ("transfer_bytes", "transfer_seconds", "pushes"):
+        for name in ("transfer_bytes", "transfer_seconds", "pushes", "push_paths"):
             out.update({f"{name}_{key}": n for key, n in getattr(self, name).items()})
         return out
 
@@ -267,6 +269,8 @@ class TieredKVStore:
         outcome = {"direct": "ok", "redis": "fallback"}.get(result.channel, "failed")
         with self._stats_lock:
             self.stats.pushes[outcome] += 1
+            if outcome == "ok":
+                self.stats.push_paths[result.data_path] += 1
             if result.channel != "none":
                 self.stats.transfer_bytes[result.channel] += result.num_bytes
                 self.stats.transfer_seconds[result.channel] += result.seconds

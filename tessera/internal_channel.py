@@ -13,6 +13,7 @@ No torch here: the gateway imports this module.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,13 @@ class InternalTLS:
 
     def channel_options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same credentials for a plain socket (a decode pod's KV inbox)."""
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH,
+                                             cadata=read_pem(self.ca_file, "ca_file").decode())
+        context.load_cert_chain(self.cert_file, self.key_file)
+        return context
 
 
 def read_pem(path: str, what: str) -> bytes:

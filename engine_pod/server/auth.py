@@ -13,6 +13,7 @@ added later is closed until listed here.
 from __future__ import annotations
 
 import logging
+import ssl
 from dataclasses import dataclass
 
 import grpc
@@ -107,6 +108,15 @@ class ServerTLS:
         """How this pod dials a peer pod of its deployment: its own certificate
         as the client's, the peer's checked against the same CA."""
         return InternalTLS(self.client_ca_file, self.cert_file, self.key_file, server_name)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same mutual TLS for a plain socket (the KV inbox): a client
+        certificate signed by the client CA or no handshake."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH,
+                                             cadata=read_pem(self.client_ca_file, "--tls-client-ca-file").decode())
+        context.load_cert_chain(self.cert_file, self.key_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+        return context
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials(

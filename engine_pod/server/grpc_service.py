@@ -29,6 +29,7 @@ from engine_pod.server.lora_registry import (
 )
 from engine_pod.server.metrics import EngineMetrics
 from engine_pod.server.prefix_cache_feed import PrefixCacheFeed
+from kv_store.inbox_socket import InboxBusy, InboxConfig, InboxSocket
 from kv_store.tiered_store import TieredKVStore
 from tessera.tracing import (
     GEN_AI_REQUEST_MAX_TOKENS,
@@ -50,9 +51,9 @@ from tessera.v1 import engine_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 GENERATE = "tessera.v1.Engine/Generate"
-# A push (PushKVBlocks) with no message for this long is abandoned: a stalled
-# or dead prefill pod holds no call open. A long prompt's chunks come much faster.
-PUSH_IDLE_TIMEOUT_S = 60.0
+# A push's deadlines (idle and in all): a stalled, dead or hostile prefill pod
+# holds no call open. A long prompt's chunks come much faster.
+PUSH_LIMITS = InboxConfig()
 
 
 class EngineService(pb_grpc.EngineServicer):
@@ -67,6 +68,7 @@ class EngineService(pb_grpc.EngineServicer):
         self.serving = False  # flipped by the server after warm-up, and back when draining
         self.stalled = False  # one engine step has run past --step-timeout (step_watchdog.py)
         self.adapters = adapters or LoRARegistry(processor, [])
+        self.inbox_socket: InboxSocket | None = None  # the pushes' fast data path (--kv-inbox-port)
 
     def attach(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -190,29 +192,51 @@ class EngineService(pb_grpc.EngineServicer):
 
     async def PushKVBlocks(self, request_iterator, context) -> pb.PushKVBlocksReply:
         """Take a prefill pod's pushed blocks into this pod's inbox (see the proto)."""
-        store = self._store()
-        if self.role == "prefill":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a prefill pod takes no pushed KV blocks")
-        if store is None or store.inbox is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "this pod takes no pushed KV blocks (--kv-inbox-bytes is 0)")
+        store = await self._inbox_store(context)
         received = 0
         messages = request_iterator.__aiter__()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + PUSH_LIMITS.max_transfer_s
         while True:
             try:
-                # A sender that stalls holds the call no longer than this between messages.
-                message = await asyncio.wait_for(messages.__anext__(), PUSH_IDLE_TIMEOUT_S)
+                # A sender that stalls holds the call no longer than this between messages, nor in all.
+                wait = min(PUSH_LIMITS.idle_timeout_s, end - loop.time())
+                message = await asyncio.wait_for(messages.__anext__(), max(wait, 0.0))
             except StopAsyncIteration:
                 break
             except asyncio.TimeoutError:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"no KV block for {PUSH_IDLE_TIMEOUT_S:.0f} s: push abandoned")
+                                    f"push abandoned: no KV block for {PUSH_LIMITS.idle_timeout_s:.0f} s, "
+                                    f"or longer than {PUSH_LIMITS.max_transfer_s:.0f} s in all")
             try:
                 store.receive([(b.block_hash, b.value) for b in message.blocks])
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             received += len(message.blocks)
         return pb.PushKVBlocksReply(num_blocks=received)
+
+    async def OpenKVInbox(self, request: pb.OpenKVInboxRequest, context) -> pb.OpenKVInboxReply:
+        """A one-time ticket for this pod's inbox socket; port 0 when it has none (see the proto)."""
+        await self._inbox_store(context)
+        inbox = self.inbox_socket
+        if inbox is None:
+            return pb.OpenKVInboxReply(port=0)
+        try:
+            ticket = inbox.issue_ticket(request.transfer_id[:256])
+        except InboxBusy as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; push over PushKVBlocks instead")
+        return pb.OpenKVInboxReply(port=inbox.port, ticket=ticket,
+                                   expires_in_ms=int(inbox.config.ticket_ttl_s * 1000))
+
+    async def _inbox_store(self, context) -> TieredKVStore:
+        """This pod's store, if it takes pushes; the call is refused otherwise."""
+        store = self._store()
+        if self.role == "prefill":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a prefill pod takes no pushed KV blocks")
+        if store is None or store.inbox is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this pod takes no pushed KV blocks (--kv-inbox-bytes is 0)")
+        return store
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         if self.engine is None:

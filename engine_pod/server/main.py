@@ -61,6 +61,7 @@ from engine_pod.server.metrics import (
 )
 from engine_pod.server.step_watchdog import watch_steps
 from engine_pod.sim.step_profile import StepTimeProfile
+from kv_store.inbox_socket import InboxSocket
 from tessera.internal_secret import InternalSecret
 from tessera.roles import POD_ROLES
 from tessera.text import load_eos_token_ids
@@ -80,6 +81,10 @@ def add_parser(sub) -> None:
                    help="the address to listen on (gRPC, health, metrics); 0.0.0.0 for every interface")
     p.add_argument("--grpc-port", type=int, default=50061)
     p.add_argument("--metrics-port", type=int, default=9090, help="0 disables /metrics")
+    p.add_argument("--kv-inbox-port", type=int, default=0,
+                   help="with --kv-inbox-bytes: also take pushed KV blocks on this TCP port, the direct P/D "
+                        "channel's fast data path (a prefill pod gets a one-time ticket over gRPC first; TLS "
+                        "under mutual TLS); 0: pushes come over gRPC only")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="beyond this many queued requests, Generate answers RESOURCE_EXHAUSTED")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
@@ -133,8 +138,11 @@ def _validate(args: argparse.Namespace) -> None:
     n = args.simulated_pods
     if n < 1 or (n > 1 and args.simulate is None):
         raise ValueError(f"simulated_pods must be >= 1, and above 1 only with --simulate, got {n}")
+    if args.kv_inbox_port and not args.kv_inbox_bytes:
+        raise ValueError("--kv-inbox-port needs --kv-inbox-bytes > 0 (the inbox it fills)")
     ranges = {name: (port, port + n - 1) for name, port in
-              (("grpc_port", args.grpc_port), ("metrics_port", args.metrics_port), ("health_port", args.health_port))
+              (("grpc_port", args.grpc_port), ("metrics_port", args.metrics_port), ("health_port", args.health_port),
+               ("kv_inbox_port", args.kv_inbox_port))
               if port}
     for name, (first, last) in ranges.items():
         if not 0 < first <= last <= 65535:
@@ -203,6 +211,7 @@ class _Pod:
     processor: Processor
     metrics: EngineMetrics
     metrics_port: int
+    kv_inbox_port: int
     core: EngineCore | None = None
     engine: AsyncEngine | None = None
 
@@ -218,7 +227,8 @@ def _pods(args: argparse.Namespace, config: EngineConfig, model_name: str, inter
         service = EngineService(processor, metrics, args.role, args.max_waiting_requests, adapters)
         health_address = f"{args.host}:{args.health_port + i}" if args.health_port else None
         server = PodServer(service, f"{args.host}:{args.grpc_port + i}", interceptors, tls, health_address)
-        pods.append(_Pod(service, server, processor, metrics, args.metrics_port + i if args.metrics_port else 0))
+        pods.append(_Pod(service, server, processor, metrics, args.metrics_port + i if args.metrics_port else 0,
+                         args.kv_inbox_port + i if args.kv_inbox_port else 0))
     return pods
 
 
@@ -238,7 +248,8 @@ def _executor_factory(args: argparse.Namespace, config: EngineConfig) -> Callabl
     return lambda: SimulatedExecutor(config, profile)
 
 
-def _start_pod(pod: _Pod, config: EngineConfig, executor: Executor | None, loop, model_name: str, host: str) -> None:
+def _start_pod(pod: _Pod, config: EngineConfig, executor: Executor | None, loop, model_name: str, host: str,
+               tls: ServerTLS | None) -> None:
     if pod.metrics_port:
         try:
             start_http_server(pod.metrics_port, addr=host, registry=pod.metrics.registry)
@@ -248,6 +259,10 @@ def _start_pod(pod: _Pod, config: EngineConfig, executor: Executor | None, loop,
     pod.core = EngineCore(config, executor)
     if pod.core.kv_store is not None:
         pod.metrics.registry.register(KVStoreCollector(pod.core.kv_store, model_name))
+    if pod.kv_inbox_port:
+        store = pod.core.kv_store
+        pod.service.inbox_socket = InboxSocket(store.receive, store.value_bytes, (host, pod.kv_inbox_port),
+                                               tls.ssl_context() if tls is not None else None)
     if pod.core.structured_output is not None:
         pod.metrics.registry.register(StructuredOutputCollector(pod.core.structured_output.stats, model_name))
     if pod.core.lora_loader is not None:
@@ -305,7 +320,7 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: frontend.request_stop())
     try:
         for pod in pods:
-            _start_pod(pod, config, new_executor(), frontend.loop, model_name, args.host)
+            _start_pod(pod, config, new_executor(), frontend.loop, model_name, args.host, tls)
         # The model, tokenizer and libraries loaded so far live as long as the process: out of the
         # cyclic GC's scans, whose full passes over them would otherwise stall steps and streams.
         gc.collect()
@@ -314,7 +329,8 @@ def serve(args: argparse.Namespace) -> int:
         kind = " simulated" if config.simulated else ""
         lifecycles = [frontend.submit(_lifecycle(
             pod, f"tessera engine ready:{kind} role={args.role} grpc={pod.server.address} auth={auth} "
-                 f"metrics=:{pod.metrics_port} kv_blocks={pod.core.num_blocks}",
+                 f"metrics=:{pod.metrics_port} kv_blocks={pod.core.num_blocks}"
+                 + (f" kv_inbox=:{pod.kv_inbox_port}" if pod.kv_inbox_port else ""),
             args.drain_timeout, args.step_timeout)) for pod in pods]
         failures = _run_engines(pods)
         for lifecycle in lifecycles:
@@ -323,6 +339,9 @@ def serve(args: argparse.Namespace) -> int:
             pod.core.shutdown()
     finally:
         frontend.close()
+        for pod in pods:
+            if pod.service.inbox_socket is not None:
+                pod.service.inbox_socket.close()
     for failure in failures:
         logger.error("a simulated pod's engine loop failed: %r", failure)
     print("tessera engine stopped", flush=True)

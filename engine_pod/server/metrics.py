@@ -140,6 +140,9 @@ class KVStoreCollector:
                         "channel", {c: s.transfer_seconds[c] for c in channels})
         yield per_label("tessera_kv_transfer_pushes", "Direct P/D pushes by outcome (ok, fallback: sent to Redis "
                         "instead, failed: neither)", "outcome", {o: s.pushes[o] for o in ("ok", "fallback", "failed")})
+        yield per_label("tessera_kv_transfer_push_paths", "Direct P/D pushes a decode pod took, by data path (socket: "
+                        "its inbox socket, grpc: the PushKVBlocks stream)", "path",
+                        {p: s.push_paths[p] for p in ("socket", "grpc")})
         yield counter("tessera_kv_store_inbox_received_bytes", "Bytes prefill pods pushed into this pod's inbox",
                       s.bytes_received_inbox)
         yield counter("tessera_kv_store_write_drops", "Redis writes dropped (write-behind queue full)",

@@ -121,10 +121,11 @@ def _disaggregation() -> Schema:
                                      default=256, minimum=0),
         "kvChannel": string("How a split prompt's KV reaches the decode pod. redis: the prefill pod writes it to "
                             "kvStore.redis, the decode pod reads it from there. direct: the prefill pod pushes "
-                            "it over gRPC, with the internal token, into the inbox (inboxBytes) of the decode pod "
-                            "the gateway picked, so decode pods must be reachable from prefill pods on their "
-                            "gRPC port (the operator's NetworkPolicy admits them); Redis stays the shared prefix "
-                            "tier and takes the blocks of a push that fails.",
+                            "it (a ticket over gRPC with the internal token, then a raw TCP stream) into the "
+                            "inbox (inboxBytes) of the decode pod the gateway picked, so decode pods must be "
+                            "reachable from prefill pods on their gRPC and KV inbox ports (50061, 50063; the "
+                            "operator's NetworkPolicy admits them); Redis stays the shared prefix tier and takes "
+                            "the blocks of a push that fails.",
                             enum=list(KV_CHANNELS), default=DEFAULT_KV_CHANNEL),
         "inboxBytes": size("With kvChannel direct: the inbox of each decode pod, in bytes (e.g. 2Gi), host memory "
                            "where pushed blocks wait for their request, least recently used dropped first. Size "

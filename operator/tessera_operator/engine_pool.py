@@ -16,6 +16,10 @@ GRPC_PORT = 50061
 METRICS_PORT = 9090
 # grpc.health.v1 alone, in plaintext: the kubelet's gRPC probes speak neither TLS nor the token.
 HEALTH_PORT = 50062
+# Pushed KV blocks, raw TCP (TLS under internalTLS): the direct P/D channel's data path, on decode
+# pods with an inbox. gRPC's OpenKVInbox hands a prefill pod a one-time ticket for it. The engine
+# refuses it on the port of --grpc-port, --metrics-port or --health-port.
+KV_INBOX_PORT = 50063
 # Triton writes its compiled kernels here (the root filesystem is read-only).
 TRITON_CACHE_DIR = f"{pod_parts.TMP_MOUNT}/triton"
 # A model may take minutes to load; the startup probe allows this long before liveness takes over.
@@ -56,13 +60,30 @@ def engine_args(owner: Owner, spec: dict, role: str) -> list[str]:
     return args + _inbox_args(spec, role)
 
 
-def _inbox_args(spec: dict, role: str) -> list[str]:
-    """With the direct P/D channel, decode pods take prefill pods' pushes into an inbox. Only
-    decode pods: the gateway splits requests only between a prefill and a decode pool."""
+def _inbox_bytes(spec: dict, role: str) -> int | None:
+    """The pool's inbox of pushed KV blocks, in bytes, or None where it has none. With the direct
+    P/D channel, decode pods take prefill pods' pushes into an inbox. Only decode pods: the gateway
+    splits requests only between a prefill and a decode pool."""
     disaggregation = spec["disaggregation"]
     if role != "decode" or disaggregation["kvChannel"] != DIRECT_KV_CHANNEL:
+        return None
+    return int(parse_quantity(disaggregation["inboxBytes"]))
+
+
+def _listens_on_kv_inbox_port(spec: dict, role: str) -> bool:
+    """Whether the pool's pods listen on KV_INBOX_PORT: an inbox of 0 refuses every push (its
+    blocks go through Redis), and the engine takes no --kv-inbox-port without an inbox."""
+    return (_inbox_bytes(spec, role) or 0) > 0
+
+
+def _inbox_args(spec: dict, role: str) -> list[str]:
+    inbox = _inbox_bytes(spec, role)
+    if inbox is None:
         return []
-    return ["--kv-inbox-bytes", str(int(parse_quantity(disaggregation["inboxBytes"])))]
+    args = ["--kv-inbox-bytes", str(inbox)]
+    if _listens_on_kv_inbox_port(spec, role):
+        args += ["--kv-inbox-port", str(KV_INBOX_PORT)]
+    return args
 
 
 def _pod_args(spec: dict) -> list[str]:
@@ -117,6 +138,15 @@ def _probes() -> dict:
     }
 
 
+def _container_ports(spec: dict, role: str) -> list[dict]:
+    ports = [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+             {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"}]
+    if _listens_on_kv_inbox_port(spec, role):
+        ports.append({"name": "kv-inbox", "containerPort": KV_INBOX_PORT, "protocol": "TCP"})
+    return ports
+
+
 def _container(owner: Owner, spec: dict, role: str) -> dict:
     engine = spec["engine"]
     container = {
@@ -125,9 +155,7 @@ def _container(owner: Owner, spec: dict, role: str) -> dict:
         "imagePullPolicy": spec["imagePullPolicy"],
         "command": ["tessera"],
         "args": engine_args(owner, spec, role) + _pod_args(spec),
-        "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
-                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
-                  {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"}],
+        "ports": _container_ports(spec, role),
         "resources": pod_parts.resources(spec["pools"][role]["resources"], pool_gpus(spec, role),
                                          engine["gpuResourceName"]),
         **_probes(),

@@ -2,8 +2,9 @@
 
 - Engine pods: the gRPC port only from this InferenceService's gateway pods and its own engine
   pods (P/D peers: with disaggregation.kvChannel direct, prefill pods push KV to decode pods
-  there); the metrics port only from the operator's namespace (the autoscaler scrapes it) and
-  the namespaces in spec.networkPolicy.metricsNamespaces.
+  there); when disaggregated, the KV inbox port only from its own prefill pods (the direct
+  channel's data path); the metrics port only from the operator's namespace (the autoscaler
+  scrapes it) and the namespaces in spec.networkPolicy.metricsNamespaces.
 - Gateway pods: REST and gRPC from anywhere (the public entry point); metrics as above.
 - Redis, when kvStore.redis.podSelector names its pods: only this InferenceService's engine pods,
   on kvStore.redis.port.
@@ -52,12 +53,24 @@ def _policy(owner: Owner, name: str, labels: dict, pod_selector: dict, ingress: 
     }
 
 
+def _kv_inbox_rule(owner: Owner, spec: dict) -> list[dict]:
+    """Prefill pods push KV blocks to decode pods' inbox port; no other pod needs it. Like the gRPC
+    rule, whatever kvChannel says (pushes in flight while the gateway rolls). The policy selects
+    every engine pool, but only decode pods listen there; a mixed service has no prefill pods, so
+    no rule (its policy stays as it was)."""
+    if "prefill" not in names.active_pools(spec["mode"]):
+        return []
+    prefill = {"podSelector": {"matchLabels": names.selector(owner, "engine", "prefill")}}
+    return [{"from": [prefill], "ports": [_tcp(engine_pool.KV_INBOX_PORT)]}]
+
+
 def engine_policy(owner: Owner, spec: dict, operator_namespace: str | None) -> dict:
     # Engine pods admit each other whatever disaggregation.kvChannel says: a direct push needs it, and
     # a policy that followed the channel would refuse the pushes still in flight while the gateway rolls.
     peers = [{"podSelector": {"matchLabels": names.selector(owner, "gateway")}},
              {"podSelector": {"matchLabels": names.selector(owner, "engine")}}]
     ingress = [{"from": peers, "ports": [_tcp(engine_pool.GRPC_PORT)]}]
+    ingress += _kv_inbox_rule(owner, spec)
     ingress += _metrics_rule(spec, operator_namespace, engine_pool.METRICS_PORT)
     return _policy(owner, names.engine_policy_name(owner), names.labels(owner, "engine"),
                    names.selector(owner, "engine"), ingress)

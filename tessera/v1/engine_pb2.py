@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tessera.v1 import structured_output_pb2 as tessera_dot_v1_dot_structured__output__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tessera/v1/engine.proto\x12\ntessera.v1\x1a\"tessera/v1/structured_output.proto\"\xf2\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1d.tessera.v1.StructuredOutputsB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x95\x01\n\x10KVTransferParams\x12/\n\x04mode\x18\x01 \x01(\x0e\x32!.tessera.v1.KVTransferParams.Mode\x12\x15\n\rdirect_target\x18\x02 \x01(\t\"9\n\x04Mode\x12\r\n\tMODE_NONE\x10\x00\x12\x10\n\x0cMODE_PRODUCE\x10\x01\x12\x10\n\x0cMODE_CONSUME\x10\x02\",\n\x07KVBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\r\n\x05value\x18\x02 \x01(\x0c\"O\n\x13PushKVBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12#\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x13.tessera.v1.KVBlock\"\'\n\x11PushKVBlocksReply\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\"\xe0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.tessera.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x31\n\x0bkv_transfer\x18\x06 \x01(\x0b\x32\x1c.tessera.v1.KVTransferParams\x12\x11\n\tlora_name\x18\x07 \x01(\t\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\":\n\rTokenLogprobs\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.tessera.v1.TokenLogprob\"o\n\x06Timing\x12\x14\n\x0c\x61rrival_time\x18\x01 \x01(\x01\x12\x1c\n\x14\x66irst_scheduled_time\x18\x02 \x01(\x01\x12\x18\n\x10\x66irst_token_time\x18\x03 \x01(\x01\x12\x17\n\x0flast_token_time\x18\x04 \x01(\x01\"\x85\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.tessera.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\"\n\x06timing\x18\x08 \x01(\x0b\x32\x12.tessera.v1.TimingB\x10\n\x0e_stop_token_id\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"S\n\x0bLoadRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x13\n\x0binterval_ms\x18\x02 \x01(\x05\x12\x19\n\x11prefix_cache_keys\x18\x03 \x01(\x08\"A\n\x0fPrefixCacheKeys\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x06\x12\x0f\n\x07removed\x18\x03 \x03(\x06\"\xeb\x02\n\nLoadReport\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x02\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\x05\x12\x1a\n\x12num_free_kv_blocks\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x1d\n\x15matched_prefix_blocks\x18\x08 \x01(\x05\x12\x0f\n\x07serving\x18\t \x01(\x08\x12\x0f\n\x07stalled\x18\n \x01(\x08\x12\x31\n\x0cprefix_cache\x18\x0b \x01(\x0b\x32\x1b.tessera.v1.PrefixCacheKeys\x12\"\n\x1anum_pending_prefill_tokens\x18\x0c \x01(\x03\x12.\n\rlora_adapters\x18\r \x03(\x0b\x32\x17.tessera.v1.LoRAAdapter\"B\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x10\n\x08resident\x18\x03 \x01(\x08\">\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"<\n\x0fLoRAAdapterList\x12)\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x17.tessera.v1.LoRAAdapter2\x8a\x04\n\x06\x45ngine\x12G\n\x08Generate\x12\x1b.tessera.v1.GenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.tessera.v1.AbortRequest\x1a\x19.tessera.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.tessera.v1.LoadRequest\x1a\x16.tessera.v1.LoadReport\x12?\n\nStreamLoad\x12\x17.tessera.v1.LoadRequest\x1a\x16.tessera.v1.LoadReport0\x01\x12R\n\x0fLoadLoRAAdapter\x12\".tessera.v1.LoadLoRAAdapterRequest\x1a\x1b.tessera.v1.LoRAAdapterList\x12V\n\x11UnloadLoRAAdapter\x12$.tessera.v1.UnloadLoRAAdapterRequest\x1a\x1b.tessera.v1.LoRAAdapterList\x12P\n\x0cPushKVBlocks\x12\x1f.tessera.v1.PushKVBlocksRequest\x1a\x1d.tessera.v1.PushKVBlocksReply(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tessera/v1/engine.proto\x12\ntessera.v1\x1a\"tessera/v1/structured_output.proto\"\xf2\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1d.tessera.v1.StructuredOutputsB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x95\x01\n\x10KVTransferParams\x12/\n\x04mode\x18\x01 \x01(\x0e\x32!.tessera.v1.KVTransferParams.Mode\x12\x15\n\rdirect_target\x18\x02 \x01(\t\"9\n\x04Mode\x12\r\n\tMODE_NONE\x10\x00\x12\x10\n\x0cMODE_PRODUCE\x10\x01\x12\x10\n\x0cMODE_CONSUME\x10\x02\",\n\x07KVBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\r\n\x05value\x18\x02 \x01(\x0c\"O\n\x13PushKVBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12#\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x13.tessera.v1.KVBlock\"\'\n\x11PushKVBlocksReply\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\")\n\x12OpenKVInboxRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"G\n\x10OpenKVInboxReply\x12\x0c\n\x04port\x18\x01 \x01(\x05\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\x12\x15\n\rexpires_in_ms\x18\x03 \x01(\x05\"\xe0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.tessera.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x31\n\x0bkv_transfer\x18\x06 \x01(\x0b\x32\x1c.tessera.v1.KVTransferParams\x12\x11\n\tlora_name\x18\x07 \x01(\t\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\":\n\rTokenLogprobs\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.tessera.v1.TokenLogprob\"o\n\x06Timing\x12\x14\n\x0c\x61rrival_time\x18\x01 \x01(\x01\x12\x1c\n\x14\x66irst_scheduled_time\x18\x02 \x01(\x01\x12\x18\n\x10\x66irst_token_time\x18\x03 \x01(\x01\x12\x17\n\x0flast_token_time\x18\x04 \x01(\x01\"\x85\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.tessera.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\"\n\x06timing\x18\x08 \x01(\x0b\x32\x12.tessera.v1.TimingB\x10\n\x0e_stop_token_id\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"S\n\x0bLoadRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x13\n\x0binterval_ms\x18\x02 \x01(\x05\x12\x19\n\x11prefix_cache_keys\x18\x03 \x01(\x08\"A\n\x0fPrefixCacheKeys\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x06\x12\x0f\n\x07removed\x18\x03 \x03(\x06\"\xeb\x02\n\nLoadReport\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x02\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\x05\x12\x1a\n\x12num_free_kv_blocks\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x1d\n\x15matched_prefix_blocks\x18\x08 \x01(\x05\x12\x0f\n\x07serving\x18\t \x01(\x08\x12\x0f\n\x07stalled\x18\n \x01(\x08\x12\x31\n\x0cprefix_cache\x18\x0b \x01(\x0b\x32\x1b.tessera.v1.PrefixCacheKeys\x12\"\n\x1anum_pending_prefill_tokens\x18\x0c \x01(\x03\x12.\n\rlora_adapters\x18\r \x03(\x0b\x32\x17.tessera.v1.LoRAAdapter\"B\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x10\n\x08resident\x18\x03 \x01(\x08\">\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"<\n\x0fLoRAAdapterList\x12)\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x17.tessera.v1.LoRAAdapter2\xd7\x04\n\x06\x45ngine\x12G\n\x08Generate\x12\x1b.tessera.v1.GenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.tessera.v1.AbortRequest\x1a\x19.tessera.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.tessera.v1.LoadRequest\x1a\x16.tessera.v1.LoadReport\x12?\n\nStreamLoad\x12\x17.tessera.v1.LoadRequest\x1a\x16.tessera.v1.LoadReport0\x01\x12R\n\x0fLoadLoRAAdapter\x12\".tessera.v1.LoadLoRAAdapterRequest\x1a\x1b.tessera.v1.LoRAAdapterList\x12V\n\x11UnloadLoRAAdapter\x12$.tessera.v1.UnloadLoRAAdapterRequest\x1a\x1b.tessera.v1.LoRAAdapterList\x12P\n\x0cPushKVBlocks\x12\x1f.tessera.v1.PushKVBlocksRequest\x1a\x1d.tessera.v1.PushKVBlocksReply(\x01\x12K\n\x0bOpenKVInbox\x12\x1e.tessera.v1.OpenKVInboxRequest\x1a\x1c.tessera.v1.OpenKVInboxReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,34 +44,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHKVBLOCKSREQUEST']._serialized_end=725
   _globals['_PUSHKVBLOCKSREPLY']._serialized_start=727
   _globals['_PUSHKVBLOCKSREPLY']._serialized_end=766
-  _globals['_GENERATEREQUEST']._serialized_start=769
-  _globals['_GENERATEREQUEST']._serialized_end=993
-  _globals['_TOKENLOGPROB']._serialized_start=995
-  _globals['_TOKENLOGPROB']._serialized_end=1058
-  _globals['_TOKENLOGPROBS']._serialized_start=1060
-  _globals['_TOKENLOGPROBS']._serialized_end=1118
-  _globals['_TIMING']._serialized_start=1120
-  _globals['_TIMING']._serialized_end=1231
-  _globals['_GENERATERESPONSE']._serialized_start=1234
-  _globals['_GENERATERESPONSE']._serialized_end=1495
-  _globals['_ABORTREQUEST']._serialized_start=1497
-  _globals['_ABORTREQUEST']._serialized_end=1532
-  _globals['_ABORTRESPONSE']._serialized_start=1534
-  _globals['_ABORTRESPONSE']._serialized_end=1566
-  _globals['_LOADREQUEST']._serialized_start=1568
-  _globals['_LOADREQUEST']._serialized_end=1651
-  _globals['_PREFIXCACHEKEYS']._serialized_start=1653
-  _globals['_PREFIXCACHEKEYS']._serialized_end=1718
-  _globals['_LOADREPORT']._serialized_start=1721
-  _globals['_LOADREPORT']._serialized_end=2084
-  _globals['_LORAADAPTER']._serialized_start=2086
-  _globals['_LORAADAPTER']._serialized_end=2152
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=2154
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2216
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2218
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2263
-  _globals['_LORAADAPTERLIST']._serialized_start=2265
-  _globals['_LORAADAPTERLIST']._serialized_end=2325
-  _globals['_ENGINE']._serialized_start=2328
-  _globals['_ENGINE']._serialized_end=2850
+  _globals['_OPENKVINBOXREQUEST']._serialized_start=768
+  _globals['_OPENKVINBOXREQUEST']._serialized_end=809
+  _globals['_OPENKVINBOXREPLY']._serialized_start=811
+  _globals['_OPENKVINBOXREPLY']._serialized_end=882
+  _globals['_GENERATEREQUEST']._serialized_start=885
+  _globals['_GENERATEREQUEST']._serialized_end=1109
+  _globals['_TOKENLOGPROB']._serialized_start=1111
+  _globals['_TOKENLOGPROB']._serialized_end=1174
+  _globals['_TOKENLOGPROBS']._serialized_start=1176
+  _globals['_TOKENLOGPROBS']._serialized_end=1234
+  _globals['_TIMING']._serialized_start=1236
+  _globals['_TIMING']._serialized_end=1347
+  _globals['_GENERATERESPONSE']._serialized_start=1350
+  _globals['_GENERATERESPONSE']._serialized_end=1611
+  _globals['_ABORTREQUEST']._serialized_start=1613
+  _globals['_ABORTREQUEST']._serialized_end=1648
+  _globals['_ABORTRESPONSE']._serialized_start=1650
+  _globals['_ABORTRESPONSE']._serialized_end=1682
+  _globals['_LOADREQUEST']._serialized_start=1684
+  _globals['_LOADREQUEST']._serialized_end=1767
+  _globals['_PREFIXCACHEKEYS']._serialized_start=1769
+  _globals['_PREFIXCACHEKEYS']._serialized_end=1834
+  _globals['_LOADREPORT']._serialized_start=1837
+  _globals['_LOADREPORT']._serialized_end=2200
+  _globals['_LORAADAPTER']._serialized_start=2202
+  _globals['_LORAADAPTER']._serialized_end=2268
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=2270
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2332
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2334
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2379
+  _globals['_LORAADAPTERLIST']._serialized_start=2381
+  _globals['_LORAADAPTERLIST']._serialized_end=2441
+  _globals['_ENGINE']._serialized_start=2444
+  _globals['_ENGINE']._serialized_end=3043
 # @@protoc_insertion_point(module_scope)

@@ -78,6 +78,22 @@ class PushKVBlocksReply(_message.Message):
     num_blocks: int
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
+class OpenKVInboxRequest(_message.Message):
+    __slots__ = ("transfer_id",)
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+
+class OpenKVInboxReply(_message.Message):
+    __slots__ = ("port", "ticket", "expires_in_ms")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    ticket: bytes
+    expires_in_ms: int
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "cache_salt", "kv_transfer", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class EngineStub:
                 request_serializer=tessera_dot_v1_dot_engine__pb2.PushKVBlocksRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_engine__pb2.PushKVBlocksReply.FromString,
                 _registered_method=True)
+        self.OpenKVInbox = channel.unary_unary(
+                '/tessera.v1.Engine/OpenKVInbox',
+                request_serializer=tessera_dot_v1_dot_engine__pb2.OpenKVInboxRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_engine__pb2.OpenKVInboxReply.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -129,6 +134,16 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenKVInbox(self, request, context):
+        """The same push's fast data path: a one-time ticket for the pod's KV inbox
+        socket (--kv-inbox-port; kv_store/inbox_socket.py), where the blocks then
+        go as plain frames (TLS under mutual TLS). A pod without one answers port 0:
+        push over PushKVBlocks instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +181,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.PushKVBlocks,
                     request_deserializer=tessera_dot_v1_dot_engine__pb2.PushKVBlocksRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_engine__pb2.PushKVBlocksReply.SerializeToString,
+            ),
+            'OpenKVInbox': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenKVInbox,
+                    request_deserializer=tessera_dot_v1_dot_engine__pb2.OpenKVInboxRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_engine__pb2.OpenKVInboxReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -357,6 +377,33 @@ class Engine:
             '/tessera.v1.Engine/PushKVBlocks',
             tessera_dot_v1_dot_engine__pb2.PushKVBlocksRequest.SerializeToString,
             tessera_dot_v1_dot_engine__pb2.PushKVBlocksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenKVInbox(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Engine/OpenKVInbox',
+            tessera_dot_v1_dot_engine__pb2.OpenKVInboxRequest.SerializeToString,
+            tessera_dot_v1_dot_engine__pb2.OpenKVInboxReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,6 +34,7 @@ POD_SAMPLES = {
     "tessera_kv_transfer_bytes_total": "transfer_bytes/channel",
     "tessera_kv_transfer_seconds_total": "transfer_seconds/channel",
     "tessera_kv_transfer_pushes_total": "pushes/outcome",
+    "tessera_kv_transfer_push_paths_total": "push_paths/path",
     "tessera_kv_store_hits_total": "store_hits/tier",
     "tessera_kv_store_load_seconds_sum": "store_load_seconds",
     "tessera_kv_store_load_seconds_count": "store_loads",

@@ -21,6 +21,8 @@ from tessera_operator import engine_pool, gateway, names
 from tessera_operator.names import Owner
 from tessera_operator.validation import validate_inference_service
 
+KV_INBOX_PORT_FLAG = "--kv-inbox-port"
+
 
 @dataclass(frozen=True)
 class EngineChild:
@@ -32,6 +34,8 @@ class EngineChild:
     cpus: frozenset[int] | None
     # Environment beyond the parent's (the Redis URL, which may carry a password).
     env: dict[str, str] = field(default_factory=dict, repr=False)
+    # Where prefill pods push KV blocks (a decode pod of the direct channel); 0: no such listener.
+    kv_inbox_port: int = 0
 
     @property
     def address(self) -> str:
@@ -79,7 +83,8 @@ def split_cpus(cpus: tuple[int, ...], count: int) -> list[frozenset[int]]:
 
 
 def build_plan(resource: dict, options: LocalOptions, free_port: Callable[[], int]) -> LocalPlan:
-    """`free_port` gives a free loopback port (two per engine: gRPC, metrics; one for the gateway's metrics)."""
+    """`free_port` gives a free loopback port (two per engine: gRPC, metrics; a third for a decode pod's
+    KV inbox; one for the gateway's metrics)."""
     obj = validate_inference_service(resource)
     spec, owner = obj["spec"], Owner.of(obj)
     model_path = local_model_path(spec["model"], options.models_dir)
@@ -95,12 +100,15 @@ def build_plan(resource: dict, options: LocalOptions, free_port: Callable[[], in
         redis_env[engine_pool.REDIS_URL_ENV] = options.redis_url  # may carry a password: never an argument
     engines = []
     for (role, index), cpu_set in zip(replicas, cpu_sets):
+        args = engine_pool.engine_args(owner, spec, role)
         grpc_port, metrics_port = free_port(), free_port()
+        # The operator's pods share KV_INBOX_PORT; here each decode pod needs a loopback port of its own.
+        kv_inbox_port = free_port() if KV_INBOX_PORT_FLAG in args else 0
         threads = len(cpu_set) if cpu_set else max(1, len(cpus) // len(replicas))
-        args = _local_engine_args(engine_pool.engine_args(owner, spec, role), model_path, grpc_port, metrics_port,
-                                  threads)
+        args = _local_engine_args(args, model_path, grpc_port, metrics_port, kv_inbox_port, threads)
         args = _local_lora_args(args, spec, options.models_dir)
-        engines.append(EngineChild(f"{role}-{index}", role, grpc_port, metrics_port, args, cpu_set, dict(redis_env)))
+        engines.append(EngineChild(f"{role}-{index}", role, grpc_port, metrics_port, args, cpu_set, dict(redis_env),
+                                   kv_inbox_port))
     gateway_metrics_port = options.metrics_port or free_port()
     return LocalPlan(owner.name, spec["model"]["name"], engines,
                      _gateway_config(owner, spec, model_path, engines, options, gateway_metrics_port),
@@ -108,10 +116,10 @@ def build_plan(resource: dict, options: LocalOptions, free_port: Callable[[], in
                      warnings=_warnings(spec))
 
 
-def _local_engine_args(args: list[str], model_path: Path, grpc_port: int, metrics_port: int,
+def _local_engine_args(args: list[str], model_path: Path, grpc_port: int, metrics_port: int, kv_inbox_port: int,
                        threads: int) -> list[str]:
     replace = {"--model": str(model_path), "--host": "127.0.0.1", "--grpc-port": str(grpc_port),
-               "--metrics-port": str(metrics_port)}
+               "--metrics-port": str(metrics_port), KV_INBOX_PORT_FLAG: str(kv_inbox_port)}
     out = list(args)
     for i, arg in enumerate(out[:-1]):
         if arg in replace:

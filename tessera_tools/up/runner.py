@@ -28,7 +28,7 @@ from engine_pod.server.process import health_status
 from gateway.process import gateway_health
 from tessera.child_process import ChildProcess, free_port
 from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, SECRET_KEY, InternalSecret
-from tessera_tools.up.plan import LocalOptions, LocalPlan, build_plan
+from tessera_tools.up.plan import EngineChild, LocalOptions, LocalPlan, build_plan
 from tessera_tools.up.ports import check_ports
 from tessera_tools.up.supervisor import ChildFailed, Supervisor
 
@@ -209,6 +209,11 @@ def _client_host(options: LocalOptions) -> str:
     return "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
 
 
+def _engine_line(engine: EngineChild, width: int) -> str:
+    line = f"  {engine.name:<{width}}  gRPC {engine.address}  metrics http://127.0.0.1:{engine.metrics_port}/metrics"
+    return line + (f"  KV inbox 127.0.0.1:{engine.kv_inbox_port}" if engine.kv_inbox_port else "")
+
+
 def banner(plan: LocalPlan, options: LocalOptions, log_dir: Path) -> str:
     host = _client_host(options)
     base = f"http://{host}:{options.http_port}"
@@ -216,8 +221,7 @@ def banner(plan: LocalPlan, options: LocalOptions, log_dir: Path) -> str:
                       for r in dict.fromkeys(e.role for e in plan.engines))
     key = "YOUR_API_KEY" if options.tenants_file else "local"
     width = max(len(e.name) for e in plan.engines)
-    engines = "\n".join(f"  {e.name:<{width}}  gRPC {e.address}  metrics http://127.0.0.1:{e.metrics_port}/metrics"
-                         for e in plan.engines)
+    engines = "\n".join(_engine_line(e, width) for e in plan.engines)
     return f"""
 Tessera is up: InferenceService {plan.name!r}, model {plan.model_name!r}, engine pods: {roles}
   REST     {base}/v1      (OpenAPI {base}/openapi.json)

@@ -12,6 +12,7 @@ from .conftest import make_isvc
 
 OPERATOR_NS = "tessera-system"
 ENGINE_GRPC, ENGINE_METRICS, GATEWAY_HTTP, GATEWAY_GRPC, GATEWAY_METRICS = 50061, 9090, 8000, 50051, 9090
+ENGINE_HEALTH, KV_INBOX = 50062, 50063
 
 
 def _matches(selector: dict, labels: dict) -> bool:
@@ -93,6 +94,40 @@ def test_the_direct_kv_channel_lets_prefill_pods_push_to_decode_pods():
     assert not admits(policies, decode, prefill, ENGINE_METRICS)
     assert not admits(policies, decode, pod_of(objects("direct", "other"), "other-prefill"), ENGINE_GRPC)
     assert policies_of(objects("redis")) == policies
+
+
+@pytest.mark.parametrize("channel", ["direct", "redis"])
+def test_the_kv_inbox_port_only_from_this_services_prefill_pods(channel):
+    """The direct channel's data path: a prefill pod opens a decode pod's inbox port; nobody else
+    does (the gateway and decode pods included). Whatever the channel, like the gRPC rule: a policy
+    that followed it would refuse the pushes in flight while the gateway rolls."""
+    def objects(name: str = "llama") -> list[dict]:
+        return desired_objects(make_isvc({"mode": "disaggregated", "disaggregation": {"kvChannel": channel},
+                                          "networkPolicy": {"metricsNamespaces": ["monitoring"]}}, name=name),
+                               operator_namespace=OPERATOR_NS)
+
+    pd = objects()
+    policies = policies_of(pd)
+    gateway, prefill, decode = (pod_of(pd, f"llama-{n}") for n in ("gateway", "prefill", "decode"))
+    assert admits(policies, decode, prefill, KV_INBOX)
+    other = objects("other")
+    for outsider in (gateway, decode, STRANGER, ELSEWHERE, OPERATOR, PROMETHEUS,
+                     pod_of(other, "other-prefill"), pod_of(other, "other-gateway")):
+        assert not admits(policies, decode, outsider, KV_INBOX), outsider
+    # The rule opens that port alone: prefill pods reach nothing else of a decode pod beyond gRPC.
+    for port in (ENGINE_METRICS, ENGINE_HEALTH, KV_INBOX + 1, 22):
+        assert not admits(policies, decode, prefill, port), port
+
+
+def test_mixed_engines_keep_the_kv_inbox_port_closed():
+    """No prefill pool, no pushes: a mixed service's engine policy has no rule for the port at all
+    (so its policy is as it was), and nobody, its own pods included, opens it."""
+    objects = desired_objects(make_isvc({"disaggregation": {"kvChannel": "direct"}}), operator_namespace=OPERATOR_NS)
+    engine = pod_of(objects, "llama-engine")
+    for source in (engine, pod_of(objects, "llama-gateway"), STRANGER, OPERATOR):
+        assert not admits(policies_of(objects), engine, source, KV_INBOX)
+    rules = next(p for p in policies_of(objects) if p["metadata"]["name"] == "llama-engine")["spec"]["ingress"]
+    assert KV_INBOX not in {port["port"] for rule in rules for port in rule["ports"]}
 
 
 def test_metrics_ports_only_from_the_operator_and_monitoring_namespaces(pd):

@@ -96,7 +96,7 @@ def test_engine_args_carry_every_engine_field(full):
     for flag, value in expected.items():
         assert arg_value(args, flag) == value, flag
     assert "--no-prefix-caching" in args
-    assert "--kv-inbox-bytes" not in args  # a prefill pod pushes; only decode pods take pushes
+    assert "--kv-inbox-bytes" not in args and "--kv-inbox-port" not in args  # only decode pods take pushes
     # The password never appears in the pod spec nor on the command line (not even as $(VAR)):
     # the engine reads the URL from its environment, set from the Secret.
     assert "--kv-redis-url" not in args and not [a for a in args if "$(" in a]
@@ -179,6 +179,7 @@ def test_engine_args_parse_with_the_engine_cli(full):
     assert args.no_prefix_caching and args.kv_host_bytes == 2 * 1024**3
     assert args.attention_backend == "triton"
     assert args.kv_inbox_bytes == 2 * 1024**3  # disaggregation.inboxBytes, with kvChannel direct
+    assert args.kv_inbox_port == 50063  # the direct channel's data path, with that inbox
     # The engine's own parser of the flag takes it, with the schema's defaults filled in.
     from engine_pod.spec_decode.config import SpeculativeConfig
 
@@ -220,6 +221,7 @@ def _engine_parser():
 
 
 DIRECT = {"mode": "disaggregated", "disaggregation": {"kvChannel": "direct"}}
+KV_INBOX_PORT = 50063
 # (case, spec, engine Deployment -> its --kv-inbox-bytes, None where it has none)
 INBOX_CASES = [
     ("redis, the default", {"mode": "disaggregated"}, {"llama-prefill": None, "llama-decode": None}),
@@ -257,6 +259,32 @@ def test_only_decode_pods_of_the_direct_channel_get_an_inbox(case):
         assert kwargs["kv_inbox_bytes"] == (inbox or 0)
         # The pods hold the internal secret (a mounted file), which keys the MAC of pushed blocks.
         KVStoreConfig(inbox_bytes=kwargs["kv_inbox_bytes"], mac_key=InternalSecret.generate().kv_mac_key)
+
+
+@pytest.mark.parametrize("case", INBOX_CASES, ids=[c[0] for c in INBOX_CASES])
+def test_only_decode_pods_with_an_inbox_listen_on_the_kv_inbox_port(case):
+    """--kv-inbox-port and the `kv-inbox` containerPort go with an inbox that takes pushes: decode pods
+    of the direct channel, not with inboxBytes 0 (the engine refuses the port without an inbox). The
+    engine's own parser and start-up checks take the flags, the port clear of the pod's other ports."""
+    from engine_pod.server.main import _validate
+
+    _, spec, expected = case
+    objects = desired_objects(make_isvc(spec))
+    for name, inbox in expected.items():
+        c = container(objects, name)
+        port = KV_INBOX_PORT if inbox else None
+        assert (arg_value(c["args"], "--kv-inbox-port") if "--kv-inbox-port" in c["args"] else None) == (
+            None if port is None else str(port)), name
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports.get("kv-inbox") == port, name
+        assert len(set(ports.values())) == len(ports), name  # clear of grpc, metrics and health
+        assert all(p["protocol"] == "TCP" for p in c["ports"])
+        args = _engine_parser().parse_args(c["args"])
+        assert args.kv_inbox_port == (port or 0)
+        _validate(args)
+    # The headless Services stay as they were: prefill pods learn the port from their ticket, not a Service.
+    for svc in (o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] in expected):
+        assert "kv-inbox" not in {p["name"] for p in svc["spec"]["ports"]}
 
 
 @pytest.mark.parametrize("channel", ["redis", "direct"])

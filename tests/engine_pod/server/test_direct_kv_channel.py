@@ -48,7 +48,8 @@ def redis(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sim_pods(tiny_llama, fast_sim_profile, redis, tmp_path_factory):
-    """A prefill pod, a decode pod with an inbox and one without."""
+    """A prefill pod, a decode pod with an inbox, one without, and one with an
+    inbox socket (the fast data path; the first decode pod takes pushes over gRPC)."""
     work = tmp_path_factory.mktemp("direct-sim")
     store = ["--kv-redis-url", redis.url]
 
@@ -58,10 +59,11 @@ def sim_pods(tiny_llama, fast_sim_profile, redis, tmp_path_factory):
 
     with pods("prefill", ["--role", "prefill", "--kv-direct-timeout", "5"]) as prefill, \
          pods("decode", ["--role", "decode", *INBOX]) as decode, \
-         pods("decode-no-inbox", ["--role", "decode"]) as closed:
-        for p in (prefill, decode, closed):
+         pods("decode-no-inbox", ["--role", "decode"]) as closed, \
+         pods("decode-socket", ["--role", "decode", *INBOX, "--kv-inbox-port", str(free_port())]) as socket_pod:
+        for p in (prefill, decode, closed, socket_pod):
             p.wait_serving()
-        yield prefill, decode, closed
+        yield prefill, decode, closed, socket_pod
 
 
 def _metrics(pods) -> dict:
@@ -111,13 +113,14 @@ def _measured_pd(prefill, decode, prompt: list[int], max_tokens: int, target: st
 
 
 def test_a_direct_push_serves_the_decode_pod_from_its_inbox(sim_pods, tiny_llama):
-    prefill, decode, _ = sim_pods
+    prefill, decode, *_ = sim_pods
     prompt = list(range(1000, 1100))  # six full blocks
     tokens, cached, grew = _measured_pd(prefill, decode, prompt, 6, target=decode.addresses[0])
     assert tokens == simulated_output(prompt, 6, 8192, load_eos_token_ids(tiny_llama))
     assert cached == 6 * BLOCK
     assert grew("decode", "tessera_kv_store_hits_total", tier="inbox") == 6
     assert grew("decode", "tessera_kv_store_hits_total", tier="redis") == 0
+    assert grew("prefill", "tessera_kv_transfer_push_paths_total", path="grpc") == 1
     assert grew("decode", "tessera_kv_store_inbox_received_bytes_total") == 6 * SIM_VALUE_BYTES
     assert grew("prefill", "tessera_kv_transfer_pushes_total", outcome="ok") == 1
     assert grew("prefill", "tessera_kv_transfer_bytes_total", channel="direct") == 6 * SIM_VALUE_BYTES
@@ -129,7 +132,7 @@ def test_a_prefix_cached_on_the_prefill_pod_is_pushed_too(sim_pods, tiny_llama):
     """The second prompt's first four blocks are cached on the prefill pod
     (not computed there this time, so never saved): its push still carries
     them, all six full blocks."""
-    prefill, decode, _ = sim_pods
+    prefill, decode, *_ = sim_pods
     shared = list(range(2000, 2064))
     first, second = shared + list(range(3000, 3040)), shared + list(range(4000, 4040))
     _pd(prefill.addresses[0], decode.addresses[0], first, 2, target=decode.addresses[0])
@@ -141,7 +144,7 @@ def test_a_prefix_cached_on_the_prefill_pod_is_pushed_too(sim_pods, tiny_llama):
 
 
 def test_a_push_to_a_pod_without_an_inbox_falls_back_to_redis(sim_pods, tiny_llama):
-    prefill, _, closed = sim_pods
+    prefill, _, closed, _ = sim_pods
     prompt = list(range(5000, 5090))  # five full blocks
     tokens, cached, grew = _measured_pd(prefill, closed, prompt, 4, target=closed.addresses[0])
     assert tokens == simulated_output(prompt, 4, 8192, load_eos_token_ids(tiny_llama))
@@ -152,7 +155,7 @@ def test_a_push_to_a_pod_without_an_inbox_falls_back_to_redis(sim_pods, tiny_lla
 
 
 def test_a_push_to_an_address_nobody_serves_falls_back_to_redis(sim_pods, tiny_llama, redis):
-    prefill, decode, _ = sim_pods
+    prefill, decode, *_ = sim_pods
     prompt = list(range(6000, 6070))  # four full blocks
     before = _metrics(prefill)
     _pd(prefill.addresses[0], decode.addresses[0], prompt, 3, target=f"127.0.0.1:{free_port()}")
@@ -187,7 +190,7 @@ def test_a_decode_pod_killed_mid_push_leaves_the_blocks_in_redis(sim_pods, tiny_
     """The receiving process dies after the push's first message: the
     prefill request still answers (no hang), its blocks fall back to Redis,
     and a decode pod reading them there gives the right tokens."""
-    prefill, decode, _ = sim_pods
+    prefill, decode, *_ = sim_pods
     port = free_port()
     dying = subprocess.Popen([sys.executable, "-c", _DYING_DECODE_POD, str(port)], stdout=subprocess.PIPE, text=True)
     try:
@@ -218,7 +221,7 @@ def _push(address: str, blocks: list[tuple[bytes, bytes]], authenticated: bool =
 
 
 def test_pushes_are_refused_without_the_token_or_in_a_wrong_shape(sim_pods):
-    prefill, decode, closed = sim_pods
+    prefill, decode, closed, _ = sim_pods
     block_hash, value = b"\x01" * 32, b"\x00" * SIM_VALUE_BYTES
     with pytest.raises(grpc.RpcError) as e:
         _push(decode.addresses[0], [(block_hash, value)], authenticated=False)
@@ -233,13 +236,57 @@ def test_pushes_are_refused_without_the_token_or_in_a_wrong_shape(sim_pods):
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
+def test_a_decode_pod_with_an_inbox_socket_takes_the_push_there(sim_pods, tiny_llama):
+    prefill, *_, socket_pod = sim_pods
+    prompt = list(range(3000, 3100))  # six full blocks
+    tokens, cached, grew = _measured_pd(prefill, socket_pod, prompt, 6, target=socket_pod.addresses[0])
+    assert tokens == simulated_output(prompt, 6, 8192, load_eos_token_ids(tiny_llama))
+    assert cached == 6 * BLOCK
+    assert grew("decode", "tessera_kv_store_hits_total", tier="inbox") == 6
+    assert grew("prefill", "tessera_kv_transfer_push_paths_total", path="socket") == 1
+    assert grew("prefill", "tessera_kv_transfer_push_paths_total", path="grpc") == 0
+    assert grew("decode", "tessera_kv_store_inbox_received_bytes_total") == 6 * SIM_VALUE_BYTES
+
+
+def _open_inbox(address: str, authenticated: bool = True) -> pb.OpenKVInboxReply:
+    request = pb.OpenKVInboxRequest(transfer_id="t")
+    if not authenticated:
+        with grpc.insecure_channel(address) as channel:
+            return pb_grpc.EngineStub(channel).OpenKVInbox(request, timeout=10)
+    with pod_channel(address) as channel:
+        return pb_grpc.EngineStub(channel).OpenKVInbox(request, timeout=10)
+
+
+def test_an_inbox_ticket_is_for_authenticated_callers_of_a_pod_with_an_inbox(sim_pods):
+    from kv_store.inbox_socket import InboxRefused, push_blocks
+
+    prefill, decode, closed, socket_pod = sim_pods
+    with pytest.raises(grpc.RpcError) as e:
+        _open_inbox(socket_pod.addresses[0], authenticated=False)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    for pods in (prefill, closed):
+        with pytest.raises(grpc.RpcError) as e:
+            _open_inbox(pods.addresses[0])
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert _open_inbox(decode.addresses[0]).port == 0  # an inbox, no socket: push over gRPC
+    opened = _open_inbox(socket_pod.addresses[0])
+    assert opened.port > 0 and len(opened.ticket) == 32 and opened.expires_in_ms > 0
+    block = (b"\x02" * 32, b"\x00" * SIM_VALUE_BYTES)
+    # The port alone lets nobody in: a made-up ticket is refused, the issued one works once.
+    with pytest.raises(InboxRefused, match="ticket"):
+        push_blocks("127.0.0.1", opened.port, b"\x00" * 32, [block], timeout_s=10)
+    assert push_blocks("127.0.0.1", opened.port, opened.ticket, [block], timeout_s=10) == 1
+    with pytest.raises(InboxRefused, match="ticket"):
+        push_blocks("127.0.0.1", opened.port, opened.ticket, [block], timeout_s=10)
+
+
 def test_forged_pushes_are_refused_on_read_and_the_prompt_recomputed(sim_pods, tiny_llama, redis):
     """A holder of the token who lacks the MAC key pushes values under a
     prompt's first block: bytes that are no block at all, and a real block's
     value with one payload byte changed. The decode pod refuses each when it
     reads it (and deletes it) and computes the prompt; nothing it serves is
     the forgery."""
-    prefill, decode, _ = sim_pods
+    prefill, decode, *_ = sim_pods
     for i, (forge, reason) in enumerate(((lambda value: b"\x07" * len(value), "format"),
                                          (lambda value: value[:-1] + bytes([value[-1] ^ 1]), "mac"))):
         prompt = list(range(8000 + 100 * i, 8050 + 100 * i))  # three full blocks
@@ -257,7 +304,7 @@ def test_forged_pushes_are_refused_on_read_and_the_prompt_recomputed(sim_pods, t
 
 
 def test_a_target_on_a_request_that_does_not_produce_is_refused(sim_pods):
-    _, decode, _ = sim_pods
+    _, decode, *_ = sim_pods
 
     async def run(mode, target):
         async with pod_aio_channel(decode.addresses[0]) as channel:
@@ -279,7 +326,7 @@ def test_a_prefill_pod_killed_mid_push_leaves_a_sound_partial_run(sim_pods, tiny
     step, so the push spans the prefill): the decode pod keeps the leading
     blocks it took, each verified when read, computes the rest, and gives
     the right tokens; it keeps taking pushes afterwards."""
-    _, decode, _ = sim_pods
+    _, decode, *_ = sim_pods
     args = SIM_ARGS + ["--kv-redis-url", redis.url, "--role", "prefill", "--max-num-batched-tokens", "16"]
     prompt = list(range(7500, 7900))  # 24 full blocks, one per step of ~12 ms
     before = _metrics(decode)
@@ -377,12 +424,15 @@ def test_under_mutual_tls_a_prefill_pod_pushes_with_its_own_certificate(tiny_lla
     try:
         with pod("named", ["--role", "prefill", "--tls-server-name", server_name]) as named, \
              pod("unnamed", ["--role", "prefill"]) as unnamed, \
-             pod("decode", ["--role", "decode", *INBOX]) as decode:
+             pod("decode", ["--role", "decode", *INBOX, "--kv-inbox-port", str(free_port())]) as decode:
             for p in (named, unnamed, decode):
                 p.wait_serving()
             for i, (prefill, outcome) in enumerate(((named, "ok"), (unnamed, "fallback"))):
                 before = scrape_metrics(prefill)
                 assert asyncio.run(pd(prefill, decode, list(range(100 + 100 * i, 170 + 100 * i)))) == 4 * BLOCK
-                assert _grew(before, scrape_metrics(prefill), "tessera_kv_transfer_pushes_total", outcome=outcome) == 1
+                after = scrape_metrics(prefill)
+                assert _grew(before, after, "tessera_kv_transfer_pushes_total", outcome=outcome) == 1
+                # The named pod's push went over the inbox socket, under the same mutual TLS.
+                assert _grew(before, after, "tessera_kv_transfer_push_paths_total", path="socket") == (i == 0)
     finally:
         redis.stop()

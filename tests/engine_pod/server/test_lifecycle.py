@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from engine_pod.server.process import EnginePodProcess
+from engine_pod.server.process import EnginePodProcess, free_port
 from tessera.v1 import engine_pb2_grpc as pb_grpc
 from tests.engine_pod.server.client import collect, greedy, load, pod_aio_channel
 from tests.engine_pod.server.conftest import POD_ARGS
@@ -109,3 +110,22 @@ def test_bad_flags_exit_2_naming_the_field(tiny_llama, flag, value, field):
     )
     assert proc.returncode == 2
     assert field in proc.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-inbox-port", "50070"], "--kv-inbox-port needs --kv-inbox-bytes"),
+    (["--kv-inbox-bytes", "1048576", "--kv-inbox-port", "70000"], "kv_inbox_port"),
+    (["--kv-inbox-bytes", "1048576", "--kv-inbox-port", "GRPC"], "overlap"),
+    (["--kv-inbox-bytes", "1048576", "--kv-inbox-port", "TAKEN"], "--kv-inbox-port: cannot listen on 127.0.0.1:"),
+])
+def test_bad_kv_inbox_ports_exit_2_with_the_reason(tiny_llama, flags, message):
+    grpc_port = free_port()
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        ports = {"GRPC": str(grpc_port), "TAKEN": str(taken.getsockname()[1])}
+        proc = subprocess.run(
+            [sys.executable, "-m", "tessera_tools.cli", "engine", "--model", str(tiny_llama), "--grpc-port",
+             str(grpc_port), "--metrics-port", "0", *[ports.get(f, f) for f in flags]],
+            capture_output=True, text=True, timeout=120,
+        )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr

@@ -90,6 +90,34 @@ def test_disaggregated_example_pushes_kv_from_the_prefill_to_the_decode_pod(tiny
     assert decode.address == f"127.0.0.1:{_engine_flags(decode.args)['--grpc-port']}"
 
 
+def test_each_decode_pod_gets_a_kv_inbox_port_of_its_own(tiny_llama, tmp_path):
+    """The operator's pods share one inbox port; on one machine each decode pod gets a free port
+    (from the same allocator as its gRPC and metrics ports), none shared with any other listener,
+    named in the banner. Prefill pods take no pushes and get none."""
+    from engine_pod.server.main import _validate, add_parser
+    from tessera_tools.up.runner import banner
+
+    resource = _example("local-disaggregated.yaml")
+    resource["spec"]["pools"]["decode"]["replicas"] = 2
+    options = LocalOptions(models_dir=tiny_llama.parent, redis_url="redis://127.0.0.1:1/0")
+    plan = build_plan(resource, options, _ports())
+    prefill, *decodes = plan.engines
+    assert [e.role for e in decodes] == ["decode", "decode"]
+    assert prefill.kv_inbox_port == 0 and "--kv-inbox-port" not in prefill.args
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    lines = {line.split()[0]: line for line in banner(plan, options, tmp_path).splitlines()
+             if line.startswith(tuple(f"  {e.name} " for e in plan.engines))}
+    for decode in decodes:
+        assert 40000 <= decode.kv_inbox_port < 40100  # from free_port, not the pods' 50063
+        assert _engine_flags(decode.args)["--kv-inbox-port"] == str(decode.kv_inbox_port)
+        _validate(parser.parse_args(decode.args))  # the engine's own checks: an inbox, distinct ports
+        assert lines[decode.name].endswith(f"  KV inbox 127.0.0.1:{decode.kv_inbox_port}")
+    assert "KV inbox" not in lines[prefill.name]
+    ports = [plan.metrics_port] + [p for e in plan.engines for p in (e.grpc_port, e.metrics_port, e.kv_inbox_port) if p]
+    assert len(ports) == len(set(ports)) == 1 + 3 * 2 + 2
+
+
 def test_cluster_only_credentials_are_dropped_locally_with_a_warning(tiny_llama):
     """internalTLS and kvStore.redis.tls name Kubernetes Secrets: no file flags locally, no internal.tls."""
     resource = _example("local-disaggregated.yaml")
