@@ -5,8 +5,11 @@ error or Ctrl-C), and read through the pods' Prometheus counters.
 - mixed: two mixed pods, no disaggregation;
 - redis: a prefill pod and a decode pod sharing a private Redis, the
   gateway's kv_channel "redis";
-- direct: the same, the decode pod with an inbox, kv_channel "direct"
-  (Redis stays the fallback, so both pods still name it).
+- direct: the same, the decode pod with an inbox and its socket
+  (--kv-inbox-port), kv_channel "direct" (Redis stays the fallback, so both
+  pods still name it);
+- direct-grpc: direct without the inbox socket: pushes over the
+  PushKVBlocks gRPC stream (what the socket saves).
 
 Each P/D set-up has a Redis of its own: a prefill pod finds a prompt's
 blocks in Redis, so two set-ups sharing one would read each other's
@@ -23,11 +26,11 @@ from pathlib import Path
 from engine_pod.server.process import EnginePodProcess
 from gateway.process import GatewayProcess
 from kv_store.local_redis import RedisServer
-from tessera.child_process import ChildProcess
+from tessera.child_process import ChildProcess, free_port
 from tessera_tools.bench.fleet.measure import scrape
 
 MODEL_NAME = "bench"
-MODES = ("mixed", "redis", "direct")
+MODES = ("mixed", "redis", "direct", "direct-grpc")
 
 # Pod counters the report reads; "key/label" keeps one key per value of that label.
 POD_SAMPLES = {
@@ -104,6 +107,11 @@ def counter_deltas(before: dict[str, dict[str, float]], after: dict[str, dict[st
             for role, now in after.items()}
 
 
+def channel(mode: str) -> str:
+    """The gateway's kv_channel of a P/D set-up."""
+    return "direct" if mode.startswith("direct") else mode
+
+
 def _pod_roles(mode: str) -> list[tuple[str, str]]:
     """(log name, role) of a set-up's pods: the same count in every set-up."""
     if mode == "mixed":
@@ -120,7 +128,7 @@ def _gateway_config(mode: str, model: Path, pods: list[tuple[EnginePodProcess, s
         "router": {"load_interval_ms": 50},
     }
     if mode != "mixed":
-        config["disaggregation"] = {"min_uncached_tokens": min_uncached_tokens, "kv_channel": mode}
+        config["disaggregation"] = {"min_uncached_tokens": min_uncached_tokens, "kv_channel": channel(mode)}
     return config
 
 
@@ -154,8 +162,10 @@ def platforms(modes: list[str], pods: PodSettings, min_uncached_tokens: int, wor
             # All pods start before any is waited for: they load the model side by side.
             for name, role in _pod_roles(mode):
                 args = [*pods.args(), *extra, "--role", role]
-                if mode == "direct" and role == "decode":
+                if channel(mode) == "direct" and role == "decode":
                     args += ["--kv-inbox-bytes", str(pods.inbox_bytes)]
+                    if mode == "direct":
+                        args += ["--kv-inbox-port", str(free_port())]
                 pod = EnginePodProcess(pods.model, args, log_path=folder / f"{name}.log")
                 children.append(pod)
                 started[mode].append((pod, role))

@@ -15,7 +15,8 @@ from tessera_tools.bench.common import markdown_table
 LATENCY_KEYS = {"ttft_p50_ms": "p50_ttft_ms", "ttft_p90_ms": "p90_ttft_ms", "itl_p50_ms": "p50_itl_ms",
                 "e2e_p50_ms": "p50_e2el_ms", "goodput_rps": "request_goodput"}
 # (ratio name, numerator mode, denominator mode) of TTFT p50.
-RATIOS = (("direct/redis", "direct", "redis"), ("redis/mixed", "redis", "mixed"))
+RATIOS = (("direct/redis", "direct", "redis"), ("direct-grpc/redis", "direct-grpc", "redis"),
+          ("redis/mixed", "redis", "mixed"))
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,8 @@ def hand_off(pods: dict[str, dict[str, float]]) -> dict[str, float]:
         "pushes_ok": prefill.get("pushes/ok", 0.0),
         "pushes_fallback": prefill.get("pushes/fallback", 0.0),
         "pushes_failed": prefill.get("pushes/failed", 0.0),
+        "pushes_socket": prefill.get("push_paths/socket", 0.0),
+        "pushes_grpc": prefill.get("push_paths/grpc", 0.0),
         "decode_hits_inbox": decode.get("store_hits/inbox", 0.0),
         "decode_hits_redis": decode.get("store_hits/redis", 0.0),
         "decode_hits_host": decode.get("store_hits/host", 0.0),
@@ -125,12 +128,16 @@ def checks(mode: str, result: dict, requests: int) -> list[str]:
     if h["prefilled_requests"] < requests:
         problems.append(f"{mode}: {h['prefilled_requests']:.0f} of {requests} requests were prefilled on the "
                         "prefill pod")
-    if mode == "direct":
+    if mode.startswith("direct"):
         if not h["pushes_ok"] or h["pushes_fallback"] or h["pushes_failed"]:
-            problems.append(f"direct: pushes ok {h['pushes_ok']:.0f}, fallback {h['pushes_fallback']:.0f}, "
+            problems.append(f"{mode}: pushes ok {h['pushes_ok']:.0f}, fallback {h['pushes_fallback']:.0f}, "
                             f"failed {h['pushes_failed']:.0f}")
+        path = "pushes_socket" if mode == "direct" else "pushes_grpc"
+        if h[path] != h["pushes_ok"]:
+            problems.append(f"{mode}: {h[path]:.0f} of {h['pushes_ok']:.0f} pushes took the "
+                            f"{path.removeprefix('pushes_')} path")
         if not h["decode_hits_inbox"] or h["decode_hits_redis"]:
-            problems.append(f"direct: decode pod hits inbox {h['decode_hits_inbox']:.0f}, "
+            problems.append(f"{mode}: decode pod hits inbox {h['decode_hits_inbox']:.0f}, "
                             f"redis {h['decode_hits_redis']:.0f}")
     elif not h["decode_hits_redis"] or h["decode_hits_inbox"] or h["pushes_ok"]:
         problems.append(f"redis: decode pod hits redis {h['decode_hits_redis']:.0f}, inbox "

@@ -71,6 +71,7 @@ def test_direct_pushes_into_the_inbox_and_redis_goes_through_redis(report):
     direct, redis, mixed = modes["direct"]["hand_off"], modes["redis"]["hand_off"], modes["mixed"]["hand_off"]
     assert direct["prefilled_requests"] == redis["prefilled_requests"] == disaggregated
     assert (direct["pushes_ok"], direct["pushes_fallback"], direct["pushes_failed"]) == (disaggregated, 0, 0)
+    assert (direct["pushes_socket"], direct["pushes_grpc"]) == (disaggregated, 0)  # the decode pod's inbox socket
     assert direct["decode_hits_inbox"] == disaggregated * BLOCKS_PER_PROMPT and direct["decode_hits_redis"] == 0
     assert direct["transfer_bytes_direct"] > 0 and direct["transfer_bytes_redis"] == 0
     assert redis["decode_hits_redis"] == disaggregated * BLOCKS_PER_PROMPT and redis["decode_hits_inbox"] == 0
@@ -89,8 +90,8 @@ def test_the_table_has_a_row_per_set_up(report, capsys):
 
 
 def _result(**hand) -> dict:
-    base = hand_off({"prefill": {"pod_requests": 4, "pushes/ok": 4, "transfer_bytes/direct": 1.0},
-                     "decode": {"store_hits/inbox": 12}})
+    prefill = {"pod_requests": 4, "pushes/ok": 4, "push_paths/socket": 4, "transfer_bytes/direct": 1.0}
+    base = hand_off({"prefill": prefill, "decode": {"store_hits/inbox": 12}})
     return {"failed": 0, "hand_off": {**base, **hand}}
 
 
@@ -98,6 +99,9 @@ def test_checks_name_what_contradicts_a_set_up():
     assert checks("direct", _result(), 4) == []
     assert checks("direct", _result(pushes_fallback=1), 4) == ["direct: pushes ok 4, fallback 1, failed 0"]
     assert checks("direct", _result(decode_hits_redis=3), 4) == ["direct: decode pod hits inbox 12, redis 3"]
+    assert checks("direct", _result(pushes_socket=3), 4) == ["direct: 3 of 4 pushes took the socket path"]
+    assert checks("direct-grpc", _result(), 4) == ["direct-grpc: 0 of 4 pushes took the grpc path"]
+    assert checks("direct-grpc", _result(pushes_socket=0, pushes_grpc=4), 4) == []
     assert checks("direct", _result(prefilled_requests=3), 4) == [
         "direct: 3 of 4 requests were prefilled on the prefill pod"]
     assert checks("redis", _result(pushes_ok=0, decode_hits_inbox=0, decode_hits_redis=12), 4) == []
