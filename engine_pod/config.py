@@ -134,6 +134,8 @@ class KVStoreConfig:
     """rediss:// only: the client certificate (PEM)."""
     redis_key_file: str | None = None
     """rediss:// only: the client certificate's private key (PEM)."""
+    redis_timeout_seconds: float = RedisTierConfig.timeout_seconds
+    """Socket timeout of each Redis call; a slower answer is a miss (recomputed), never a stall."""
     mac_key: bytes | None = field(default=None, repr=False)
     """The key of the MAC over every value in Redis (InternalSecret.kv_mac_key);
     required with a Redis URL."""
@@ -155,6 +157,8 @@ class KVStoreConfig:
             raise ValueError(f"kv_write_queue_size must be >= 1, got {self.write_queue_size}")
         if not isinstance(self.inbox_bytes, int) or self.inbox_bytes < 0:
             raise ValueError(f"kv_inbox_bytes must be an integer >= 0, got {self.inbox_bytes!r}")
+        if not 0 < self.redis_timeout_seconds <= 600:
+            raise ValueError(f"kv_redis_timeout must be in (0, 600] seconds, got {self.redis_timeout_seconds}")
         if not 0 < self.direct_timeout_s <= 3600:
             raise ValueError(f"kv_direct_timeout_s must be in (0, 3600] seconds, got {self.direct_timeout_s}")
         check_mac_key(self.mac_key)
@@ -172,8 +176,9 @@ class KVStoreConfig:
     def redis_tier_config(self) -> RedisTierConfig:
         """The Redis tier's settings."""
         return RedisTierConfig(self.redis_url, self.redis_ttl_seconds, self.redis_cluster,
-                               key_prefix=self.redis_key_prefix, ca_file=self.redis_ca_file,
-                               cert_file=self.redis_cert_file, key_file=self.redis_key_file)
+                               timeout_seconds=self.redis_timeout_seconds, key_prefix=self.redis_key_prefix,
+                               ca_file=self.redis_ca_file, cert_file=self.redis_cert_file,
+                               key_file=self.redis_key_file)
 
     @property
     def enabled(self) -> bool:
@@ -347,6 +352,7 @@ def create_engine_config(
     kv_redis_ca_file: str | None = KVStoreConfig.redis_ca_file,
     kv_redis_cert_file: str | None = KVStoreConfig.redis_cert_file,
     kv_redis_key_file: str | None = KVStoreConfig.redis_key_file,
+    kv_redis_timeout: float = KVStoreConfig.redis_timeout_seconds,
     kv_mac_key: bytes | None = KVStoreConfig.mac_key,
     kv_inbox_bytes: int = KVStoreConfig.inbox_bytes,
     kv_direct_timeout_s: float = KVStoreConfig.direct_timeout_s,
@@ -380,7 +386,7 @@ def create_engine_config(
         kv_mac_key = _kv_mac_key_from_env()
     kv_store = KVStoreConfig(kv_host_bytes, kv_redis_url, kv_redis_ttl, kv_redis_cluster, kv_write_queue_size,
                              kv_redis_key_prefix, kv_redis_ca_file, kv_redis_cert_file, kv_redis_key_file,
-                             kv_mac_key, kv_inbox_bytes, kv_direct_timeout_s)
+                             kv_redis_timeout, kv_mac_key, kv_inbox_bytes, kv_direct_timeout_s)
     try:
         policy = SchedulingPolicy(scheduling_policy)
     except ValueError:

@@ -34,7 +34,9 @@ def _private_config(path: Path, text: str) -> Path:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, port: int | None = None, password: str | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, password: str | None = None,
+                 maxmemory: int | None = None) -> None:
+        """``maxmemory``: bytes held at most, least recently used keys evicted first (None: unbounded)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed")
@@ -46,6 +48,8 @@ class RedisServer:
             args.append(str(_private_config(workdir / f"redis-{self.port}.conf", f"requirepass {password}\n")))
         args += ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                  "--dir", str(workdir)]
+        if maxmemory is not None:
+            args += ["--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru"]
         self.proc = _start(args)
         client = redis.Redis(port=self.port, password=password, socket_timeout=0.5)
         _wait_ping(client)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine_pod.config import EngineConfig
-from kv_store.codec import FORMAT_VERSION, BlockCodec, BlockLayout
+from kv_store.codec import FORMAT_VERSION, HEADER_SIZE, BlockCodec, BlockLayout
 from kv_store.direct_sender import DirectSender, DirectSenderConfig
 from kv_store.fingerprint import model_fingerprint
 from kv_store.host_tier import HostMemoryTier
@@ -14,6 +14,7 @@ from tessera.internal_channel import InternalClient
 # Part of a simulated engine's fingerprint: its blocks hold filler, never KV,
 # so they live under keys (and carry headers) that no real engine ever reads.
 SIMULATED_FINGERPRINT_TAG = "simulated"
+READ_CHUNK_BYTES = 16 << 20
 
 
 def build_kv_store(config: EngineConfig) -> TieredKVStore:
@@ -35,7 +36,9 @@ def build_kv_store(config: EngineConfig) -> TieredKVStore:
     remote = None
     if kv.redis_url is not None:
         namespace = f"{fingerprint.hex()}:{layout.tp_rank}/{layout.tp_size}:"
-        remote = RedisTier(kv.redis_tier_config(), namespace=namespace)
+        # MGETs of about 16 MiB each: every reply comes well inside the socket timeout.
+        keys_per_read = max(1, READ_CHUNK_BYTES // (HEADER_SIZE + layout.payload_bytes))
+        remote = RedisTier(kv.redis_tier_config(), namespace=namespace, keys_per_read=keys_per_read)
     codec = BlockCodec(layout, kv.mac_key)
     inbox = HostMemoryTier(kv.inbox_bytes) if kv.inbox_bytes else None
     sender = None

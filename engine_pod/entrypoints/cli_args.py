@@ -71,6 +71,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     k.add_argument("--kv-redis-cert-file", default=kv.redis_cert_file, help="rediss://: client certificate (PEM)")
     k.add_argument("--kv-redis-key-file", default=kv.redis_key_file,
                    help="rediss://: the client certificate's private key (PEM)")
+    k.add_argument("--kv-redis-timeout", type=float, default=kv.redis_timeout_seconds,
+                   help="seconds each Redis call may take; a slower one is a miss (the blocks are recomputed)")
     k.add_argument("--kv-write-queue-size", type=int, default=kv.write_queue_size,
                    help="Redis write-behind queue; beyond it writes are dropped (and counted)")
     k.add_argument("--kv-inbox-bytes", type=int, default=kv.inbox_bytes,
@@ -105,6 +107,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_redis_ca_file=args.kv_redis_ca_file,
         kv_redis_cert_file=args.kv_redis_cert_file,
         kv_redis_key_file=args.kv_redis_key_file,
+        kv_redis_timeout=args.kv_redis_timeout,
         kv_inbox_bytes=args.kv_inbox_bytes,
         kv_direct_timeout_s=args.kv_direct_timeout,
         tensor_parallel_size=args.tensor_parallel_size,

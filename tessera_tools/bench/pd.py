@@ -32,7 +32,7 @@ from pathlib import Path
 
 from tessera_tools.bench.common import rotated, write_report
 from tessera_tools.bench.flags import (
-    DTYPE_HELP, MODEL_HELP, non_negative_int, positive_int, positive_int_list,
+    DTYPE_HELP, MODEL_HELP, non_negative_int, positive_float, positive_int, positive_int_list,
 )
 
 PERCENTILES = [50.0, 90.0]
@@ -149,7 +149,7 @@ def _run_tp(args: argparse.Namespace, tp: int, model: Path, vocab_size: int, wor
     from tessera_tools.bench.pd_report import mode_result, ttft_ratios
 
     pods = PodSettings(model, args.dtype, tp, args.threads_per_rank, args.kv_cache_mib << 20, args.inbox_mib << 20,
-                       args.max_num_batched_tokens)
+                       args.max_num_batched_tokens, args.simulate, args.redis_mib << 20, args.kv_redis_timeout)
     slos = dict(args.goodput)
     results: dict[str, list] = {mode: [] for mode in args.modes}
     started = time.monotonic()
@@ -169,6 +169,9 @@ def _check_settings(args: argparse.Namespace, max_len: int) -> str | None:
     if args.prompt_tokens + args.output_tokens > max_len:
         return (f"--prompt-tokens {args.prompt_tokens} + --output-tokens {args.output_tokens} exceed the model's "
                 f"{max_len} positions (max_position_embeddings)")
+    if args.simulate is not None and (args.tp != [1] or args.dtype != "auto"):
+        return ("--simulate: a simulated pod is one process in no dtype (its profile models the GPU's); "
+                "leave --tp at 1 and --dtype at auto")
     if set(args.modes) - {"mixed"} and args.prompt_tokens < args.min_uncached_tokens:
         return (f"--prompt-tokens {args.prompt_tokens} < --min-uncached-tokens {args.min_uncached_tokens}: the "
                 "gateway would not disaggregate these prompts")
@@ -215,10 +218,10 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     problems = [p for entry in by_tp for mode, result in entry["modes"].items()
                 for p in checks(mode, result, args.requests * args.rounds)]
-    settings = {k: getattr(args, k) for k in ("model", "dtype", "prompt_tokens", "output_tokens", "requests", "rate",
-                                              "concurrency", "rounds", "warmup", "tp", "modes",
-                                              "min_uncached_tokens", "threads_per_rank", "kv_cache_mib",
-                                              "inbox_mib", "max_num_batched_tokens", "seed")}
+    settings = {k: getattr(args, k) for k in ("model", "simulate", "dtype", "prompt_tokens", "output_tokens",
+                                              "requests", "rate", "concurrency", "rounds", "warmup", "tp", "modes",
+                                              "min_uncached_tokens", "threads_per_rank", "kv_cache_mib", "redis_mib",
+                                              "kv_redis_timeout", "inbox_mib", "max_num_batched_tokens", "seed")}
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "settings": {**settings, "rate": "inf" if math.isinf(args.rate) else args.rate,
                            "goodput_slos_ms": dict(args.goodput)},
@@ -248,7 +251,12 @@ def add_parser(kinds) -> None:
     p.add_argument("--tp", type=positive_int_list, default=[1],
                    help="TP degrees, comma-separated: the whole comparison runs at each")
     p.add_argument("--modes", type=mode_list, default=["mixed", "redis", "direct"],
-                   help="set-ups to compare, comma-separated: mixed, redis, direct")
+                   help="set-ups to compare, comma-separated: mixed, redis, direct (over the decode pod's inbox "
+                        "socket), direct-grpc (the same over the PushKVBlocks stream)")
+    p.add_argument("--simulate", default=None, metavar="PROFILE",
+                   help="simulated pods (engine --simulate): the real scheduler, KV store, Redis and channels, "
+                        "the forward replaced by this step-time profile; with a shape-only model "
+                        "(make-model --preset sim-llama3.1-8b) the pods move an 8B's KV at GPU-class step times")
     p.add_argument("--goodput", type=slo_spec, nargs="+", default=[("ttft", 10000.0), ("tpot", 200.0)],
                    metavar="NAME:MS", help="goodput SLOs as bench serve takes them (ttft, tpot = a request's mean "
                                            "ITL, e2el), default ttft:10000 tpot:200")
@@ -257,6 +265,11 @@ def add_parser(kinds) -> None:
     p.add_argument("--threads-per-rank", type=positive_int, default=1,
                    help="torch threads per TP rank of each pod (a pod gets TP times this many)")
     p.add_argument("--kv-cache-mib", type=positive_int, default=512, help="KV cache of each pod, MiB")
+    p.add_argument("--redis-mib", type=positive_int, default=4096,
+                   help="each P/D set-up's private Redis: memory at most, MiB (least recently used keys out)")
+    p.add_argument("--kv-redis-timeout", type=positive_float, default=None,
+                   help="the pods' Redis socket timeout, seconds (default: the engine's); an 8B-sized prompt's "
+                        "hundreds of MB on a busy 2-core host can outlast the default, and a timeout is a miss")
     p.add_argument("--inbox-mib", type=positive_int, default=1024,
                    help="the direct set-up's decode pod: budget of pushed blocks (--kv-inbox-bytes), MiB")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,

@@ -39,6 +39,7 @@ POD_SAMPLES = {
     "tessera_kv_transfer_pushes_total": "pushes/outcome",
     "tessera_kv_transfer_push_paths_total": "push_paths/path",
     "tessera_kv_store_hits_total": "store_hits/tier",
+    "tessera_kv_store_lookups_total": "store_lookups",
     "tessera_kv_store_load_seconds_sum": "store_load_seconds",
     "tessera_kv_store_load_seconds_count": "store_loads",
     "tessera_prefix_cache_hits_total": "prefix_hit_tokens",
@@ -63,13 +64,23 @@ class PodSettings:
     inbox_bytes: int
     # None: the engine's default.
     max_num_batched_tokens: int | None
+    # A step-time profile: simulated pods (no model computed); None: real ones.
+    simulate: str | None = None
+    # Each set-up's private Redis holds at most this many bytes (least recently used out).
+    redis_bytes: int = 4 << 30
+    # The pods' Redis socket timeout (--kv-redis-timeout); None: the engine's default.
+    redis_timeout_s: float | None = None
 
     def args(self) -> list[str]:
-        args = ["--dtype", self.dtype, "--tensor-parallel-size", str(self.tp),
-                "--cpu-threads", str(self.tp * self.threads_per_rank),
-                "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
-                # A stop is a benchmark's end: nothing in flight is worth waiting long for.
-                "--drain-timeout", "5"]
+        # A stop is a benchmark's end: nothing in flight is worth waiting long for.
+        args = ["--kv-cache-memory-bytes", str(self.kv_cache_bytes), "--drain-timeout", "5"]
+        if self.redis_timeout_s is not None:
+            args += ["--kv-redis-timeout", str(self.redis_timeout_s)]
+        if self.simulate is not None:
+            args += ["--simulate", self.simulate]
+        else:
+            args += ["--dtype", self.dtype, "--tensor-parallel-size", str(self.tp),
+                     "--cpu-threads", str(self.tp * self.threads_per_rank)]
         if self.max_num_batched_tokens is not None:
             args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         return args
@@ -156,7 +167,7 @@ def platforms(modes: list[str], pods: PodSettings, min_uncached_tokens: int, wor
             folder.mkdir(parents=True, exist_ok=True)
             extra = []
             if mode != "mixed":
-                redis_servers.append(RedisServer(folder))
+                redis_servers.append(RedisServer(folder, maxmemory=pods.redis_bytes))
                 extra = ["--kv-redis-url", redis_servers[-1].url]
             started[mode] = []
             # All pods start before any is waited for: they load the model side by side.

@@ -87,6 +87,7 @@ def hand_off(pods: dict[str, dict[str, float]]) -> dict[str, float]:
         "decode_hits_inbox": decode.get("store_hits/inbox", 0.0),
         "decode_hits_redis": decode.get("store_hits/redis", 0.0),
         "decode_hits_host": decode.get("store_hits/host", 0.0),
+        "decode_lookups": decode.get("store_lookups", 0.0),
         "load_ms_per_load": _per(decode.get("store_load_seconds", 0.0), decode.get("store_loads", 0.0), 1e3),
         "decode_pod_ttft_mean_ms": _per(decode.get("pod_ttft_seconds", 0.0), decode.get("pod_requests", 0.0), 1e3),
         # Prompt tokens the pods that compute prompts found cached: 0 when every prompt is new.
@@ -128,6 +129,10 @@ def checks(mode: str, result: dict, requests: int) -> list[str]:
     if h["prefilled_requests"] < requests:
         problems.append(f"{mode}: {h['prefilled_requests']:.0f} of {requests} requests were prefilled on the "
                         "prefill pod")
+    found = h["decode_hits_inbox"] + h["decode_hits_redis"] + h["decode_hits_host"]
+    if found < h["decode_lookups"]:
+        problems.append(f"{mode}: the decode pod found {found:.0f} of the {h['decode_lookups']:.0f} blocks it looked "
+                        "up (the rest were recomputed)")
     if mode.startswith("direct"):
         if not h["pushes_ok"] or h["pushes_fallback"] or h["pushes_failed"]:
             problems.append(f"{mode}: pushes ok {h['pushes_ok']:.0f}, fallback {h['pushes_fallback']:.0f}, "

@@ -46,6 +46,7 @@ FIELD_OF_KWARG = {
     "kv_redis_ca_file": (KVStoreConfig, "redis_ca_file"),
     "kv_redis_cert_file": (KVStoreConfig, "redis_cert_file"),
     "kv_redis_key_file": (KVStoreConfig, "redis_key_file"),
+    "kv_redis_timeout": (KVStoreConfig, "redis_timeout_seconds"),
     "kv_inbox_bytes": (KVStoreConfig, "inbox_bytes"),
     "kv_direct_timeout_s": (KVStoreConfig, "direct_timeout_s"),
     "max_loras": (LoRAConfig, "max_loras"),
@@ -132,3 +133,11 @@ def test_the_operator_tells_its_pods_to_listen_on_every_interface():
     (container,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "engine"]
     assert container["args"][0] == "engine"
     assert _pod_flags(*container["args"][1:]).host == "0.0.0.0"
+
+
+def test_the_redis_timeout_reaches_the_redis_tier():
+    from tessera.internal_secret import InternalSecret
+
+    key = InternalSecret.from_text("cli-defaults-tests-0123456789abcdef").kv_mac_key
+    config = KVStoreConfig(redis_url="redis://127.0.0.1:1/0", redis_timeout_seconds=2.5, mac_key=key)
+    assert config.redis_tier_config().timeout_seconds == 2.5

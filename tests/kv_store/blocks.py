@@ -72,6 +72,6 @@ FORGERIES = {
 }
 
 
-def make_redis_tier(url: str, **kw) -> RedisTier:
+def make_redis_tier(url: str, keys_per_read: int = 0, **kw) -> RedisTier:
     """A Redis tier in the namespace of fingerprint "fp", TP rank 0 of 1."""
-    return RedisTier(RedisTierConfig(url=url, **kw), namespace="fp:0/1:")
+    return RedisTier(RedisTierConfig(url=url, **kw), namespace="fp:0/1:", keys_per_read=keys_per_read)

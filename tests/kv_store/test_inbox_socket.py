@@ -42,16 +42,24 @@ def _store() -> TieredKVStore:
     return TieredKVStore(make_codec(), HostMemoryTier(0), inbox=HostMemoryTier(1 << 24))
 
 
-def _inbox(store: TieredKVStore, tls=None, **config) -> InboxSocket:
-    return InboxSocket(store.receive, store.value_bytes, ("127.0.0.1", 0), tls, InboxConfig(**config))
+@pytest.fixture
+def new_inbox():
+    """make(store=None, tls=None, **InboxConfig fields) -> (store, inbox); every inbox closed at the end."""
+    made: list[InboxSocket] = []
+
+    def make(store: TieredKVStore | None = None, tls=None, **config) -> tuple[TieredKVStore, InboxSocket]:
+        store = store or _store()
+        made.append(InboxSocket(store.receive, store.value_bytes, ("127.0.0.1", 0), tls, InboxConfig(**config)))
+        return store, made[-1]
+
+    yield make
+    for inbox in made:
+        inbox.close()
 
 
 @pytest.fixture
-def store_and_inbox():
-    store = _store()
-    inbox = _inbox(store)
-    yield store, inbox
-    inbox.close()
+def store_and_inbox(new_inbox):
+    return new_inbox()
 
 
 def _blocks(n: int) -> list[tuple[bytes, bytes]]:
@@ -84,28 +92,20 @@ def test_a_push_without_an_issued_ticket_is_refused_and_takes_nothing(store_and_
     assert store.stats.inbox_received == 0 and len(store.inbox) == 0
 
 
-def test_a_ticket_expires():
-    store = _store()
-    inbox = _inbox(store, ticket_ttl_s=0.05)
-    try:
-        ticket = inbox.issue_ticket("late")
-        time.sleep(0.2)
-        with pytest.raises(InboxRefused, match="expired"):
-            push_blocks("127.0.0.1", inbox.port, ticket, _blocks(1), timeout_s=10)
-    finally:
-        inbox.close()
+def test_a_ticket_expires(new_inbox):
+    store, inbox = new_inbox(ticket_ttl_s=0.05)
+    ticket = inbox.issue_ticket("late")
+    time.sleep(0.2)
+    with pytest.raises(InboxRefused, match="expired"):
+        push_blocks("127.0.0.1", inbox.port, ticket, _blocks(1), timeout_s=10)
 
 
-def test_outstanding_tickets_are_bounded():
-    store = _store()
-    inbox = _inbox(store, max_tickets=3)
-    try:
-        for i in range(3):
-            inbox.issue_ticket(f"req-{i}")
-        with pytest.raises(InboxBusy):
-            inbox.issue_ticket("one too many")
-    finally:
-        inbox.close()
+def test_outstanding_tickets_are_bounded(new_inbox):
+    store, inbox = new_inbox(max_tickets=3)
+    for i in range(3):
+        inbox.issue_ticket(f"req-{i}")
+    with pytest.raises(InboxBusy):
+        inbox.issue_ticket("one too many")
 
 
 def _raw_push(port: int, *frames: bytes) -> bytes:
@@ -142,39 +142,30 @@ def test_bad_magic_and_unknown_frames_are_refused(store_and_inbox):
     assert "unknown frame kind 07" in _refusal(_raw_push(inbox.port, MAGIC + inbox.issue_ticket("req"), b"\x07"))
 
 
-def test_a_stalled_sender_is_dropped_after_the_idle_timeout():
-    store = _store()
-    inbox = _inbox(store, idle_timeout_s=0.3)
-    try:
-        with socket.create_connection(("127.0.0.1", inbox.port), timeout=10) as conn:
-            conn.sendall(MAGIC + inbox.issue_ticket("stall"))
-            start = time.monotonic()
-            assert conn.recv(1) == b""  # the pod closed the connection
-            assert time.monotonic() - start < 5
-    finally:
-        inbox.close()
+def test_a_stalled_sender_is_dropped_after_the_idle_timeout(new_inbox):
+    store, inbox = new_inbox(idle_timeout_s=0.3)
+    with socket.create_connection(("127.0.0.1", inbox.port), timeout=10) as conn:
+        conn.sendall(MAGIC + inbox.issue_ticket("stall"))
+        start = time.monotonic()
+        assert conn.recv(1) == b""  # the pod closed the connection
+        assert time.monotonic() - start < 5
 
 
-def test_a_trickling_sender_is_dropped_at_the_overall_deadline():
+def test_a_trickling_sender_is_dropped_at_the_overall_deadline(new_inbox):
     """One byte every 0.1 s never trips the idle timeout; the overall deadline still ends it."""
-    store = _store()
-    inbox = _inbox(store, idle_timeout_s=5, max_transfer_s=0.5)
-    try:
-        with socket.create_connection(("127.0.0.1", inbox.port), timeout=10) as conn:
-            conn.sendall(MAGIC + inbox.issue_ticket("trickle") + b"\x01")
-            start = time.monotonic()
-            with pytest.raises(OSError):
-                for byte in block_hash(0) * 100:
-                    conn.sendall(bytes([byte]))
-                    time.sleep(0.1)
-            assert time.monotonic() - start < 5
-    finally:
-        inbox.close()
+    store, inbox = new_inbox(idle_timeout_s=5, max_transfer_s=0.5)
+    with socket.create_connection(("127.0.0.1", inbox.port), timeout=10) as conn:
+        conn.sendall(MAGIC + inbox.issue_ticket("trickle") + b"\x01")
+        start = time.monotonic()
+        with pytest.raises(OSError):
+            for byte in block_hash(0) * 100:
+                conn.sendall(bytes([byte]))
+                time.sleep(0.1)
+        assert time.monotonic() - start < 5
 
 
-def test_connections_beyond_the_limit_wait_for_a_slot_then_are_closed():
-    store = _store()
-    inbox = _inbox(store, max_connections=2, slot_wait_s=0.2)
+def test_connections_beyond_the_limit_wait_for_a_slot_then_are_closed(new_inbox):
+    store, inbox = new_inbox(max_connections=2, slot_wait_s=0.2)
     held = [socket.create_connection(("127.0.0.1", inbox.port), timeout=10) for _ in range(2)]
     try:
         time.sleep(0.2)
@@ -184,14 +175,10 @@ def test_connections_beyond_the_limit_wait_for_a_slot_then_are_closed():
     finally:
         for conn in held:
             conn.close()
-        inbox.close()
-    # Slots come back once connections end: a new push succeeds.
-    inbox = _inbox(store, max_connections=1)
-    try:
-        for _ in range(3):
-            assert push_blocks("127.0.0.1", inbox.port, inbox.issue_ticket("r"), _blocks(1), timeout_s=10) == 1
-    finally:
-        inbox.close()
+    # Slots come back once connections end: pushes one after another all get one.
+    _, inbox = new_inbox(store, max_connections=1)
+    for _ in range(3):
+        assert push_blocks("127.0.0.1", inbox.port, inbox.issue_ticket("r"), _blocks(1), timeout_s=10) == 1
 
 
 def test_a_port_nobody_serves_is_unreachable_before_anything_is_sent():
@@ -221,35 +208,27 @@ def _server_tls(certs) -> ssl.SSLContext:
     return ServerTLS(certs["server.crt"], certs["server.key"], certs["ca.crt"]).ssl_context()
 
 
-def test_under_mutual_tls_a_peer_with_the_deployments_certificate_pushes(certs):
-    store = _store()
-    inbox = _inbox(store, tls=_server_tls(certs))
-    try:
-        client = InternalTLS(certs["ca.crt"], certs["server.crt"], certs["server.key"], SERVER_NAME).ssl_context()
-        taken = push_blocks("127.0.0.1", inbox.port, inbox.issue_ticket("r"), _blocks(5), 10, client, SERVER_NAME)
-        assert taken == 5 and len(store.inbox) == 5
-    finally:
-        inbox.close()
+def test_under_mutual_tls_a_peer_with_the_deployments_certificate_pushes(certs, new_inbox):
+    store, inbox = new_inbox(tls=_server_tls(certs))
+    client = InternalTLS(certs["ca.crt"], certs["server.crt"], certs["server.key"], SERVER_NAME).ssl_context()
+    taken = push_blocks("127.0.0.1", inbox.port, inbox.issue_ticket("r"), _blocks(5), 10, client, SERVER_NAME)
+    assert taken == 5 and len(store.inbox) == 5
 
 
 @pytest.mark.parametrize("who", ["plaintext", "another CA's certificate", "no certificate"])
-def test_under_mutual_tls_anyone_else_gets_no_handshake(certs, who):
-    store = _store()
-    inbox = _inbox(store, tls=_server_tls(certs))
-    try:
-        ticket = inbox.issue_ticket("r")
-        if who == "plaintext":
-            with pytest.raises((ConnectionError, InboxRefused, OSError)):
-                push_blocks("127.0.0.1", inbox.port, ticket, _blocks(1), timeout_s=5)
-        else:
-            client = ssl.create_default_context(cafile=certs["ca.crt"])
-            if who == "another CA's certificate":
-                client.load_cert_chain(certs["rogue.crt"], certs["rogue.key"])
-            with pytest.raises(OSError):  # refused at the handshake, or at the first read after it (TLS 1.3)
-                push_blocks("127.0.0.1", inbox.port, ticket, _blocks(1), 5, client, SERVER_NAME)
-        assert len(store.inbox) == 0
-    finally:
-        inbox.close()
+def test_under_mutual_tls_anyone_else_gets_no_handshake(certs, who, new_inbox):
+    store, inbox = new_inbox(tls=_server_tls(certs))
+    ticket = inbox.issue_ticket("r")
+    if who == "plaintext":
+        with pytest.raises((ConnectionError, InboxRefused, OSError)):
+            push_blocks("127.0.0.1", inbox.port, ticket, _blocks(1), timeout_s=5)
+    else:
+        client = ssl.create_default_context(cafile=certs["ca.crt"])
+        if who == "another CA's certificate":
+            client.load_cert_chain(certs["rogue.crt"], certs["rogue.key"])
+        with pytest.raises(OSError):  # refused at the handshake, or at the first read after it (TLS 1.3)
+            push_blocks("127.0.0.1", inbox.port, ticket, _blocks(1), 5, client, SERVER_NAME)
+    assert len(store.inbox) == 0
 
 
 # -- the sender: OpenKVInbox, then the socket --------------------------------------
@@ -284,27 +263,27 @@ def _serve(servicer) -> tuple[grpc.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-def _push_through_sender(servicer, n: int = 6):
+def _push_through_sender(servicer, n: int = 6, fallback=None, before_the_rest=lambda: None):
+    """Push n blocks to the stand-in pod through a store's sender: the first, then (after
+    ``before_the_rest``) the others; its result."""
     server, address = _serve(servicer)
     codec = make_codec()
-    sender = DirectSender(codec.sign, None, lambda: InternalClient(SECRET), DirectSenderConfig(timeout_s=10))
+    sender = DirectSender(codec.sign, fallback, lambda: InternalClient(SECRET), DirectSenderConfig(timeout_s=10))
     try:
         for i in range(n):
             sender.send("req", address, block_hash(i), codec.encode(block_hash(i), make_payload(i)))
+            if i == 0:
+                before_the_rest()
         return sender.finish("req").result(timeout=20)
     finally:
         sender.close()
         server.stop(None)
 
 
-def test_the_sender_pushes_over_the_socket_when_the_pod_has_one():
-    store = _store()
-    inbox = _inbox(store)
+def test_the_sender_pushes_over_the_socket_when_the_pod_has_one(new_inbox):
+    store, inbox = new_inbox()
     servicer = _DecodePod(inbox, store)
-    try:
-        result = _push_through_sender(servicer)
-    finally:
-        inbox.close()
+    result = _push_through_sender(servicer)
     assert (result.channel, result.data_path, result.num_blocks, result.error) == ("direct", "socket", 6, None)
     assert servicer.grpc_pushes == 0
     assert store.get_blocks([block_hash(i) for i in range(6)]) == [make_payload(i) for i in range(6)]
@@ -318,18 +297,14 @@ def test_the_sender_pushes_over_grpc_to_a_pod_without_a_socket():
     assert servicer.grpc_pushes == 1 and len(store.inbox) == 6
 
 
-def test_a_socket_port_that_cannot_be_reached_falls_back_to_grpc_not_redis():
+def test_a_socket_port_that_cannot_be_reached_falls_back_to_grpc_not_redis(new_inbox):
     """A NetworkPolicy that drops the inbox port costs one refused connect, not the push."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed_port = s.getsockname()[1]
-    store = _store()
-    inbox = _inbox(store)
+    store, inbox = new_inbox()
     servicer = _DecodePod(inbox, store, port=closed_port)
-    try:
-        result = _push_through_sender(servicer)
-    finally:
-        inbox.close()
+    result = _push_through_sender(servicer)
     assert (result.channel, result.data_path, result.num_blocks) == ("direct", "grpc", 6)
     assert servicer.grpc_pushes == 1 and len(store.inbox) == 6
 
@@ -337,39 +312,27 @@ def test_a_socket_port_that_cannot_be_reached_falls_back_to_grpc_not_redis():
 def test_a_refused_socket_push_goes_to_the_fallback():
     """The pod refuses mid-push (here: a value of another model's size): the
     push fails, and the blocks go to Redis (the fallback), never half-used."""
-    store = TieredKVStore(make_codec(), HostMemoryTier(0), inbox=HostMemoryTier(1 << 24))
+    store = _store()
     inbox = InboxSocket(store.receive, store.value_bytes + 1, ("127.0.0.1", 0))
-    servicer = _DecodePod(inbox, store)
-    server, address = _serve(servicer)
-    codec = make_codec()
     landed: list = []
-    sender = DirectSender(codec.sign, lambda blocks: landed.extend(blocks) or True, lambda: InternalClient(SECRET),
-                          DirectSenderConfig(timeout_s=10))
     try:
-        for i in range(3):
-            sender.send("req", address, block_hash(i), codec.encode(block_hash(i), make_payload(i)))
-        result = sender.finish("req").result(timeout=20)
+        result = _push_through_sender(_DecodePod(inbox, store), 3, lambda blocks: landed.extend(blocks) or True)
     finally:
-        sender.close()
-        server.stop(None)
         inbox.close()
     assert result.channel == "redis" and result.num_blocks == 3
     assert landed == _blocks(3)
 
 
-def test_many_pushes_at_once_each_land_whole():
-    store = _store()
-    inbox = _inbox(store)
-    try:
-        def push(k: int) -> int:
-            blocks = [(block_hash(100 * k + i), genuine_value(100 * k + i)) for i in range(20)]
-            return push_blocks("127.0.0.1", inbox.port, inbox.issue_ticket(f"r{k}"), blocks, timeout_s=20)
+def test_many_pushes_at_once_each_land_whole(new_inbox):
+    store, inbox = new_inbox()
 
-        with futures.ThreadPoolExecutor(8) as pool:
-            assert list(pool.map(push, range(8))) == [20] * 8
-        assert store.stats.inbox_received == 160
-    finally:
-        inbox.close()
+    def push(k: int) -> int:
+        blocks = [(block_hash(100 * k + i), genuine_value(100 * k + i)) for i in range(20)]
+        return push_blocks("127.0.0.1", inbox.port, inbox.issue_ticket(f"r{k}"), blocks, timeout_s=20)
+
+    with futures.ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(push, range(8))) == [20] * 8
+    assert store.stats.inbox_received == 160
 
 
 def test_a_decode_pod_that_dies_mid_socket_push_leaves_every_block_to_the_fallback():
@@ -386,24 +349,14 @@ def test_a_decode_pod_that_dies_mid_socket_push_leaves_every_block_to_the_fallba
 
     dying = threading.Thread(target=die_after_some_bytes, daemon=True)
     dying.start()
-    store = _store()
-    servicer = _DecodePod(None, store)
+    servicer = _DecodePod(None, _store())
     servicer.OpenKVInbox = lambda request, context: pb.OpenKVInboxReply(port=listener.getsockname()[1],
                                                                         ticket=b"t" * 32)
-    server, address = _serve(servicer)
-    codec = make_codec()
     landed: list = []
-    sender = DirectSender(codec.sign, lambda blocks: landed.extend(blocks) or True, lambda: InternalClient(SECRET),
-                          DirectSenderConfig(timeout_s=10))
     try:
-        sender.send("req", address, block_hash(0), codec.encode(block_hash(0), make_payload(0)))
-        dying.join(timeout=10)
-        for i in range(1, 4):
-            sender.send("req", address, block_hash(i), codec.encode(block_hash(i), make_payload(i)))
-        result = sender.finish("req").result(timeout=20)
+        result = _push_through_sender(servicer, 4, lambda blocks: landed.extend(blocks) or True,
+                                      before_the_rest=lambda: dying.join(timeout=10))
     finally:
-        sender.close()
-        server.stop(None)
         listener.close()
     assert result.channel == "redis" and result.num_blocks == 4 and result.error
     assert landed == _blocks(4)

@@ -47,3 +47,14 @@ def test_a_killed_parent_leaves_no_server_behind(tmp_path):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(pid)
+
+
+def test_a_bounded_server_evicts_the_least_recently_used_keys(tmp_path):
+    server = RedisServer(tmp_path, maxmemory=8 << 20)
+    try:
+        for i in range(8):
+            server.client.set(f"k{i}", bytes(2 << 20))  # 16 MiB written into 8 MiB
+        assert server.client.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+        assert server.client.get("k7") is not None and server.client.get("k0") is None
+    finally:
+        server.stop()

@@ -22,6 +22,33 @@ def test_redis_tier_round_trip_with_namespace_and_ttl(redis_server):
     assert tier.exists_many([block_hash(1), block_hash(5)]) == [True, False]
 
 
+def _mget_calls(client) -> int:
+    return int(client.info("commandstats").get("cmdstat_mget", {}).get("calls", 0))
+
+
+def test_a_long_read_is_several_mgets_in_one_round_trip(redis_server):
+    """Ten keys, three per MGET: four MGETs, the values in order, misses where missing."""
+    tier = make_redis_tier(redis_server.url, keys_per_read=3)
+    tier.put_many([(block_hash(i), bytes([i]) * 10) for i in range(10) if i != 4])
+    before = _mget_calls(redis_server.client)
+    got = tier.get_many([block_hash(i) for i in range(10)])
+    assert got == [None if i == 4 else bytes([i]) * 10 for i in range(10)]
+    assert _mget_calls(redis_server.client) - before == 4
+    assert make_redis_tier(redis_server.url).get_many([block_hash(0), block_hash(1)]) == [b"\0" * 10, b"\1" * 10]
+
+
+def test_a_prompts_worth_of_large_values_reads_inside_a_short_timeout(redis_server):
+    """An 8B model's blocks are 2 MiB: 128 of them (a 2k-token prompt) read in
+    16 MiB MGETs, each answered well inside a 0.25 s socket timeout."""
+    values = [(block_hash(1000 + i), bytes([i]) * (2 << 20)) for i in range(128)]
+    writer = make_redis_tier(redis_server.url, timeout_seconds=5)
+    assert writer.put_many(values)
+    tier = make_redis_tier(redis_server.url, keys_per_read=8, timeout_seconds=0.25)
+    assert tier.get_many([h for h, _ in values]) == [v for _, v in values]
+    assert tier.errors == 0
+    redis_server.client.delete(*[tier.key(h) for h, _ in values])
+
+
 def test_redis_tier_unreachable_is_a_miss_not_an_error():
     tier = make_redis_tier("redis://127.0.0.1:1/0", timeout_seconds=0.1)
     assert not tier.available

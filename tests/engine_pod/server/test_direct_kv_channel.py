@@ -210,14 +210,17 @@ def test_a_decode_pod_killed_mid_push_leaves_the_blocks_in_redis(sim_pods, tiny_
         dying.wait()
 
 
+def _call(address: str, method: str, request, authenticated: bool = True):
+    """One Engine call, with the internal token or without."""
+    channel = pod_channel(address) if authenticated else grpc.insecure_channel(address)
+    with channel:
+        return getattr(pb_grpc.EngineStub(channel), method)(request, timeout=10)
+
+
 def _push(address: str, blocks: list[tuple[bytes, bytes]], authenticated: bool = True) -> pb.PushKVBlocksReply:
     messages = iter([pb.PushKVBlocksRequest(transfer_id="t", blocks=[pb.KVBlock(block_hash=h, value=v)
                                                                       for h, v in blocks])])
-    if not authenticated:
-        with grpc.insecure_channel(address) as channel:
-            return pb_grpc.EngineStub(channel).PushKVBlocks(messages, timeout=10)
-    with pod_channel(address) as channel:
-        return pb_grpc.EngineStub(channel).PushKVBlocks(messages, timeout=10)
+    return _call(address, "PushKVBlocks", messages, authenticated)
 
 
 def test_pushes_are_refused_without_the_token_or_in_a_wrong_shape(sim_pods):
@@ -249,12 +252,7 @@ def test_a_decode_pod_with_an_inbox_socket_takes_the_push_there(sim_pods, tiny_l
 
 
 def _open_inbox(address: str, authenticated: bool = True) -> pb.OpenKVInboxReply:
-    request = pb.OpenKVInboxRequest(transfer_id="t")
-    if not authenticated:
-        with grpc.insecure_channel(address) as channel:
-            return pb_grpc.EngineStub(channel).OpenKVInbox(request, timeout=10)
-    with pod_channel(address) as channel:
-        return pb_grpc.EngineStub(channel).OpenKVInbox(request, timeout=10)
+    return _call(address, "OpenKVInbox", pb.OpenKVInboxRequest(transfer_id="t"), authenticated)
 
 
 def test_an_inbox_ticket_is_for_authenticated_callers_of_a_pod_with_an_inbox(sim_pods):

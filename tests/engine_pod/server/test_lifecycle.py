@@ -98,6 +98,7 @@ def test_queue_bound_answers_resource_exhausted(tiny_llama, tmp_path):
     ("--kv-write-queue-size", "0", "kv_write_queue_size"),
     ("--kv-inbox-bytes", "-1", "kv_inbox_bytes"),
     ("--kv-direct-timeout", "0", "kv_direct_timeout_s"),
+    ("--kv-redis-timeout", "nan", "kv_redis_timeout"),
     ("--cpu-threads", "-1", "cpu_threads"),
     ("--step-timeout", "-1", "step_timeout"),
     ("--health-port", "50061", "health_port"),  # the default --grpc-port

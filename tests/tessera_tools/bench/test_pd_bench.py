@@ -91,7 +91,7 @@ def test_the_table_has_a_row_per_set_up(report, capsys):
 
 def _result(**hand) -> dict:
     prefill = {"pod_requests": 4, "pushes/ok": 4, "push_paths/socket": 4, "transfer_bytes/direct": 1.0}
-    base = hand_off({"prefill": prefill, "decode": {"store_hits/inbox": 12}})
+    base = hand_off({"prefill": prefill, "decode": {"store_hits/inbox": 12, "store_lookups": 12}})
     return {"failed": 0, "hand_off": {**base, **hand}}
 
 
@@ -100,6 +100,8 @@ def test_checks_name_what_contradicts_a_set_up():
     assert checks("direct", _result(pushes_fallback=1), 4) == ["direct: pushes ok 4, fallback 1, failed 0"]
     assert checks("direct", _result(decode_hits_redis=3), 4) == ["direct: decode pod hits inbox 12, redis 3"]
     assert checks("direct", _result(pushes_socket=3), 4) == ["direct: 3 of 4 pushes took the socket path"]
+    assert checks("direct", _result(decode_lookups=20), 4) == [
+        "direct: the decode pod found 12 of the 20 blocks it looked up (the rest were recomputed)"]
     assert checks("direct-grpc", _result(), 4) == ["direct-grpc: 0 of 4 pushes took the grpc path"]
     assert checks("direct-grpc", _result(pushes_socket=0, pushes_grpc=4), 4) == []
     assert checks("direct", _result(prefilled_requests=3), 4) == [
@@ -116,6 +118,8 @@ def test_checks_name_what_contradicts_a_set_up():
 @pytest.mark.parametrize("extra, message", [
     (["--prompt-tokens", "2040", "--output-tokens", "16"], "exceed the model's 2048 positions"),
     (["--prompt-tokens", "100", "--min-uncached-tokens", "128"], "would not disaggregate"),
+    (["--simulate", "p.json", "--tp", "1,2"], "leave --tp at 1 and --dtype at auto"),
+    (["--simulate", "p.json", "--dtype", "float32"], "leave --tp at 1 and --dtype at auto"),
 ])
 def test_settings_that_cannot_run_are_refused_before_anything_starts(tiny_llama, extra, message, capsys):
     assert main(["bench", "pd", "--model", str(tiny_llama), *extra]) == 2
@@ -125,3 +129,25 @@ def test_settings_that_cannot_run_are_refused_before_anything_starts(tiny_llama,
 def test_a_missing_model_is_refused(tmp_path, capsys):
     assert main(["bench", "pd", "--model", str(tmp_path / "nowhere")]) == 2
     assert "make bench-models" in capsys.readouterr().err
+
+
+def test_simulated_pods_of_a_shape_only_model_move_its_kv_each_way(tmp_path, fast_sim_profile):
+    """--simulate on a model written without weights (make-model's shape-only
+    presets): the real stores and channels carry the model's block size, and
+    the checks confirm each set-up's path."""
+    from tessera_tools.fixtures.make_model import PRESETS, ModelPreset, make_model
+
+    shape = ModelPreset(**{**PRESETS["tiny"].__dict__, "shape_only": True})
+    model = make_model(shape, tmp_path / "shape-only")
+    assert not list(model.glob("*.safetensors"))
+    out = tmp_path / "pd.json"
+    assert main(["bench", "pd", "--model", str(model), "--simulate", str(fast_sim_profile), "--modes",
+                 "redis,direct,direct-grpc", "--prompt-tokens", str(PROMPT), "--output-tokens", str(OUTPUT),
+                 "--requests", "2", "--rounds", "1", "--warmup", "0", "--min-uncached-tokens", "32",
+                 "--kv-cache-mib", "32", "--inbox-mib", "32", "--redis-mib", "64", "--kv-redis-timeout", "2",
+                 "--logs", str(tmp_path / "logs"), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["problems"] == [] and report["settings"]["simulate"] == str(fast_sim_profile)
+    modes = report["results"][0]["modes"]
+    assert modes["direct"]["hand_off"]["pushes_socket"] == modes["direct-grpc"]["hand_off"]["pushes_grpc"] == 2
+    assert modes["redis"]["hand_off"]["decode_hits_redis"] == 2 * BLOCKS_PER_PROMPT
