@@ -13,10 +13,14 @@ read, as the gRPC path's and Redis's are.
 Wire format (integers big-endian):
 
     hello   MAGIC (8 bytes), ticket (32 bytes)
+    reply   to the hello: go ahead (status 0) or refused (status 1, and why)
     block   0x01, block hash (32 bytes), value length (4 bytes), value
     end     0x00
     reply   status (1 byte: 0 taken, 1 refused), blocks taken (4 bytes),
             message length (2 bytes), message (UTF-8)
+
+The reply to the hello lets a sender learn of a refused ticket before it
+sends a block (a refusal mid-stream may reach it as a reset connection).
 
 A receiver never trusts a length: a value must be exactly the model's value
 size, or the push is refused before one byte of it is read. No connection
@@ -70,6 +74,9 @@ class InboxBusy(Exception):
 class InboxConfig:
     """Limits of a decode pod's inbox, on its socket and on the gRPC push alike."""
 
+    hello_timeout_s: float = 5.0
+    """A connection must finish its TLS handshake and present its ticket this soon (a sender does at
+    once): one that reaches the port without a ticket holds a slot no longer."""
     idle_timeout_s: float = 60.0
     """A push with nothing to read for this long is dropped (a stalled or dead prefill pod)."""
     max_transfer_s: float = 600.0
@@ -146,12 +153,12 @@ class InboxSocket:
     def _serve(self, raw: socket.socket) -> None:
         conn = raw
         try:
-            deadline = _Deadline(self.config.max_transfer_s, self.config.idle_timeout_s)
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = _Deadline(self.config.hello_timeout_s, self.config.hello_timeout_s)
             if self._tls is not None:
-                raw.settimeout(deadline.next_wait())
+                raw.settimeout(hello.next_wait())
                 conn = self._tls.wrap_socket(raw, server_side=True)
-            self._answer(conn, deadline)
+            self._answer(conn, hello)
         except (OSError, TimeoutError) as e:  # the peer went away, stalled or failed the handshake
             logger.info("kv inbox connection dropped: %s", e)
         except Exception:  # a bug: this connection ends, the listener serves on
@@ -161,10 +168,14 @@ class InboxSocket:
             raw.close()
             self._slots.release()
 
-    def _answer(self, conn: socket.socket, deadline: _Deadline) -> None:
+    def _answer(self, conn: socket.socket, hello: _Deadline) -> None:
         taken = 0
+        deadline = hello
         try:
-            transfer_id = self._redeem(_recv_exact(conn, len(MAGIC) + TICKET_BYTES, deadline))
+            transfer_id = self._redeem(_recv_exact(conn, len(MAGIC) + TICKET_BYTES, hello))
+            conn.settimeout(hello.next_wait())
+            _send_reply(conn, 0, None)  # go ahead
+            deadline = _Deadline(self.config.max_transfer_s, self.config.idle_timeout_s)
             taken = self._take_blocks(conn, deadline)
         except InboxRefused as e:
             logger.warning("kv inbox push refused: %s", e)
@@ -221,11 +232,17 @@ def push_blocks(host: str, port: int, ticket: bytes, blocks: Iterable[tuple[byte
     conn = _connect(host, port, tls, server_name, deadline)
     with conn:
         _send(conn, deadline, MAGIC, ticket)
+        _read_reply(conn, deadline)
         for block_hash, value in blocks:
             _send(conn, deadline, _BLOCK, block_hash, _VALUE_LENGTH.pack(len(value)), value)
         _send(conn, deadline, _END)
-        status, taken, length = _REPLY.unpack(_recv_exact(conn, _REPLY.size, deadline))
-        message = bytes(_recv_exact(conn, length, deadline)).decode(errors="replace") if length else ""
+        return _read_reply(conn, deadline)
+
+
+def _read_reply(conn: socket.socket, deadline: _Deadline) -> int:
+    """The blocks the pod took; InboxRefused with its reason if it refused."""
+    status, taken, length = _REPLY.unpack(_recv_exact(conn, _REPLY.size, deadline))
+    message = bytes(_recv_exact(conn, length, deadline)).decode(errors="replace") if length else ""
     if status != 0:
         raise InboxRefused(message or "refused")
     return int(taken)

@@ -87,7 +87,7 @@ def test_a_ticket_opens_one_connection_only(store_and_inbox):
 def test_a_push_without_an_issued_ticket_is_refused_and_takes_nothing(store_and_inbox, ticket):
     store, inbox = store_and_inbox
     inbox.issue_ticket("someone else's")
-    with pytest.raises((InboxRefused, ConnectionError)):
+    with pytest.raises(InboxRefused, match="unknown, used or expired ticket"):  # before a block is sent
         push_blocks("127.0.0.1", inbox.port, ticket, _blocks(3), timeout_s=10)
     assert store.stats.inbox_received == 0 and len(store.inbox) == 0
 
@@ -120,7 +120,14 @@ def _raw_push(port: int, *frames: bytes) -> bytes:
         return out
 
 
-def _refusal(reply: bytes) -> str:
+GO_AHEAD = struct.pack("!BIH", 0, 0, 0)  # the pod's reply to a hello with a good ticket
+
+
+def _refusal(reply: bytes, after_go_ahead: bool = True) -> str:
+    """The reason in the pod's refusal; with a good ticket, a go-ahead comes first."""
+    if after_go_ahead:
+        assert reply.startswith(GO_AHEAD)
+        reply = reply[len(GO_AHEAD):]
     status, _, length = struct.unpack("!BIH", reply[:7])
     assert status == 1
     return reply[7:7 + length].decode()
@@ -138,7 +145,7 @@ def test_a_value_of_another_length_is_refused_before_it_is_read(store_and_inbox,
 
 def test_bad_magic_and_unknown_frames_are_refused(store_and_inbox):
     _, inbox = store_and_inbox
-    assert "bad magic" in _refusal(_raw_push(inbox.port, b"HTTP/1.1" + inbox.issue_ticket("req")))
+    assert "bad magic" in _refusal(_raw_push(inbox.port, b"HTTP/1.1" + inbox.issue_ticket("req")), False)
     assert "unknown frame kind 07" in _refusal(_raw_push(inbox.port, MAGIC + inbox.issue_ticket("req"), b"\x07"))
 
 
@@ -147,7 +154,17 @@ def test_a_stalled_sender_is_dropped_after_the_idle_timeout(new_inbox):
     with socket.create_connection(("127.0.0.1", inbox.port), timeout=10) as conn:
         conn.sendall(MAGIC + inbox.issue_ticket("stall"))
         start = time.monotonic()
+        assert conn.recv(len(GO_AHEAD)) == GO_AHEAD
         assert conn.recv(1) == b""  # the pod closed the connection
+        assert time.monotonic() - start < 5
+
+
+def test_a_connection_without_a_ticket_is_dropped_after_the_hello_timeout(new_inbox):
+    """Whoever reaches the port but presents no ticket holds a slot for seconds, not the idle minute."""
+    _, inbox = new_inbox(hello_timeout_s=0.3, idle_timeout_s=60)
+    with socket.create_connection(("127.0.0.1", inbox.port), timeout=10) as conn:
+        start = time.monotonic()
+        assert conn.recv(1) == b""
         assert time.monotonic() - start < 5
 
 
