@@ -103,3 +103,12 @@ def test_the_crd_speculative_method_default_is_the_engines():
     speculative = _crd_engine_properties()["speculative"]["properties"]
     method_default = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}["method"]
     assert speculative["method"]["default"] == method_default
+
+
+def test_the_crd_redis_timeout_default_is_the_engines():
+    """An InferenceService with a Redis tier and no timeoutSeconds runs its pods at the engine's own timeout."""
+    resource = make_isvc({"kvStore": {"redis": {"urlSecretRef": {"name": "redis"}}}})
+    (deployment,) = [o for o in desired_objects(resource) if o["kind"] == "Deployment"
+                     and o["metadata"]["name"] == "llama-engine"]
+    (container,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "engine"]
+    assert _engine_flags(*container["args"][1:]).kv_redis_timeout == _engine_flags().kv_redis_timeout == 0.25

@@ -185,6 +185,10 @@ def kv_store_schema() -> Schema:
                                       "replication or monitoring traffic to them needs a policy of its own."),
             "port": integer("Redis's port, for that NetworkPolicy.", default=DEFAULT_REDIS_PORT, minimum=1,
                             maximum=65535),
+            "timeoutSeconds": number("Seconds each Redis call of an engine pod may take; a slower one is a miss "
+                                     "(the blocks are recomputed), never a stall. Reads come in MGETs of about "
+                                     "16 MiB; raise it for large models' P/D over a busy Redis.",
+                                     default=0.25, minimum=0.01, maximum=600),
         }, required=["urlSecretRef"]),
     }, default={})
 

@@ -56,7 +56,8 @@ def engine_args(owner: Owner, spec: dict, role: str) -> list[str]:
     if "redis" in kv:
         # The URL itself comes by environment (REDIS_URL_ENV); its own prefix gives each
         # InferenceService a key space a Redis ACL can confine it to.
-        args += ["--kv-redis-key-prefix", names.redis_key_prefix(owner)]
+        args += ["--kv-redis-key-prefix", names.redis_key_prefix(owner),
+                 "--kv-redis-timeout", str(kv["redis"]["timeoutSeconds"])]
     return args + _inbox_args(spec, role)
 
 

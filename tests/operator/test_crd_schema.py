@@ -160,6 +160,8 @@ INVALID = [
     ("negative inbox", {"disaggregation": {"inboxBytes": "-1Gi"}}, "spec.disaggregation.inboxBytes", True),
     ("negative integer inbox", {"disaggregation": {"inboxBytes": -1}}, "spec.disaggregation.inboxBytes", True),
     ("inbox not a quantity", {"disaggregation": {"inboxBytes": "1 GB"}}, "spec.disaggregation.inboxBytes", True),
+    ("zero redis timeout", {"kvStore": {"redis": {"urlSecretRef": {"name": "r"}, "timeoutSeconds": 0}}},
+     "spec.kvStore.redis.timeoutSeconds", True),
     # Cross-field rules: CEL on the cluster, so the reference JSON Schema validator cannot see them.
     ("min above max", {"pools": {"prefill": {"minReplicas": 5, "maxReplicas": 2}}}, "spec.pools.prefill", False),
     ("two model sources", {"model": {"hostPath": {"path": "/data/llama"}}}, "spec.model", False),
