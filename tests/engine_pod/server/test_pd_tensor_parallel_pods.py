@@ -16,11 +16,11 @@ import random
 
 import pytest
 
-from engine_pod.server.process import EnginePodProcess
+from engine_pod.server.process import EnginePodProcess, free_port
 from tessera.v1 import engine_pb2 as pb
 from tessera.v1 import engine_pb2_grpc as pb_grpc
 from tests.engine_pod.hf_reference import hf_greedy
-from tests.engine_pod.server.client import greedy, pod_aio_channel
+from tests.engine_pod.server.client import greedy, pod_aio_channel, scrape_metrics
 
 BLOCK = 16
 MAX_TOKENS = 6
@@ -30,7 +30,8 @@ POD_ARGS = ["--dtype", "float64", "--max-model-len", "256", "--kv-cache-memory-b
 
 @pytest.fixture(scope="module")
 def tp_pods(tiny_llama, tmp_path_factory):
-    """Prefill pods at TP=1 and TP=2, decode pods at TP=1 and TP=2 (with inboxes), one Redis."""
+    """Prefill pods at TP=1 and TP=2, decode pods at TP=1 and TP=2 (with inboxes: TP=1's takes pushes over
+    gRPC, TP=2's over its inbox socket), one Redis."""
     from kv_store.local_redis import RedisServer
 
     work = tmp_path_factory.mktemp("pd-tp")
@@ -45,7 +46,8 @@ def tp_pods(tiny_llama, tmp_path_factory):
     try:
         with pod("prefill-tp1", "prefill", 1) as p1, pod("prefill-tp2", "prefill", 2) as p2, \
              pod("decode-tp1", "decode", 1, ["--kv-inbox-bytes", str(32 << 20)]) as d1, \
-             pod("decode-tp2", "decode", 2, ["--kv-inbox-bytes", str(32 << 20)]) as d2:
+             pod("decode-tp2", "decode", 2, ["--kv-inbox-bytes", str(32 << 20),
+                                             "--kv-inbox-port", str(free_port())]) as d2:
             for p in (p1, p2, d1, d2):
                 p.wait_serving(timeout=180)
             yield {"prefill": {1: p1, 2: p2}, "decode": {1: d1, 2: d2}}
@@ -81,10 +83,15 @@ def test_pd_across_tp_degrees_equals_hugging_face(tp_pods, tiny_llama, channel):
     prompts = [[rng.randrange(5, 6000) for _ in range(length)] for length in (100, 150, 83)]
     expected = hf_greedy(tiny_llama, prompts, [MAX_TOKENS] * len(prompts))
     for (prefill_tp, decode_tp), prompt, ref in zip(LAYOUTS, prompts, expected):
-        decode = tp_pods["decode"][decode_tp]
-        tokens, logprobs, cached = asyncio.run(
-            _pd(tp_pods["prefill"][prefill_tp].address, decode.address, prompt, channel == "direct"))
+        decode, prefill = tp_pods["decode"][decode_tp], tp_pods["prefill"][prefill_tp]
+        before = scrape_metrics(prefill)
+        tokens, logprobs, cached = asyncio.run(_pd(prefill.address, decode.address, prompt, channel == "direct"))
         layout = f"prefill TP={prefill_tp} -> decode TP={decode_tp} over {channel}"
+        if channel == "direct":
+            path = "socket" if decode_tp == 2 else "grpc"
+            key = ("tessera_kv_transfer_push_paths_total", (("path", path),))
+            grew = {k: v - before.get(k, 0.0) for k, v in scrape_metrics(prefill).items() if k[0] == key[0]}
+            assert {k: v for k, v in grew.items() if v} == {key: 1.0}, layout
         assert tokens == ref.token_ids, layout
         assert max(abs(a - b) for a, b in zip(logprobs, ref.logprobs)) < LOGPROB_TOL, layout
         assert cached == (len(prompt) - 1) // BLOCK * BLOCK, layout
