@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from gateway.tool_calls.parsers import parser_names
 from kv_store.block_hash import DEFAULT_BLOCK_SIZE
 from tessera.internal_channel import InternalTLS
 from tessera.lora import LORA_NAME_RE, LORA_NAME_RULE
@@ -76,6 +77,11 @@ class ModelConfig:
     """Seconds the admin endpoints (/v1/load_lora_adapter, /v1/unload_lora_adapter)
     wait for each pod (a load reads and checks the adapter's files); a pod
     that does not answer in time counts as failed (504)."""
+    tool_call_parser: str | None = None
+    """How tool_choice "auto" finds the calls in this model's text: a parser's
+    name (gateway/tool_calls/parsers: "hermes", "llama3_json"), chosen for the
+    model family's format. None: "auto" is refused (400); "required", a named
+    function and "none" need no parser."""
 
 
 @dataclass(frozen=True)
@@ -279,6 +285,7 @@ class GatewayConfig:
         _check(self.model.block_size > 0, "model.block_size must be > 0")
         _check(self.model.max_model_len is None or self.model.max_model_len > 0, "model.max_model_len must be > 0")
         _check_loras(self.model)
+        _check_tool_call_parser(self.model)
         sources = [bool(self.pods.static), self.pods.kubernetes is not None, self.pods.file is not None]
         _check(sum(sources) == 1, "pods: give one of a static list, kubernetes discovery or a file")
         if self.pods.file is not None:
@@ -332,6 +339,12 @@ def _check_loras(model: ModelConfig) -> None:
         _check(problem is None, f"model.loras[{i}].name: {problem}")
         _check(lora.name not in seen, f"model.loras[{i}].name: {lora.name!r} is listed twice")
         seen.add(lora.name)
+
+
+def _check_tool_call_parser(model: ModelConfig) -> None:
+    name = model.tool_call_parser
+    _check(name is None or name in parser_names(),
+           f"model.tool_call_parser: unknown tool-call parser {name!r}; known: {', '.join(parser_names())}")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -54,20 +54,23 @@ class ServedModel:
     def encode(self, prompt: str) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """`tools`: the functions the model may call, in OpenAI's shape (the template's `tools`)."""
         if not self.tokenizer.chat_template:
             raise PromptError(f"model {self.name!r} has no chat template; use /v1/completions", "no_chat_template")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as e:  # jinja raises TemplateError and friends for messages it refuses
             raise PromptError(f"messages: the chat template rejected them: {e}", "invalid_messages",
                               "messages") from None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         # The template writes the special tokens (BOS) itself.
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return encode_prompt(self.tokenizer, text, add_special_tokens=False)
 
     def check_token_ids(self, ids: list[int]) -> None:

@@ -88,6 +88,9 @@ class GenerationRequest:
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None
     add_generation_prompt: bool = True
+    # With messages: the functions the model may call, for the chat template
+    # (OpenAI's shape; gateway/tool_calls plans the rest).
+    tools: list[dict] | None = None
     options: SamplingOptions = field(default_factory=SamplingOptions)
     priority_class: str | None = None
     user: str | None = None

@@ -201,7 +201,7 @@ class Gateway:
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         if req.messages is not None:
-            return self.model.encode_chat(req.messages, req.add_generation_prompt)
+            return self.model.encode_chat(req.messages, req.add_generation_prompt, req.tools)
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids)
         return self.model.encode(req.prompt or "")

@@ -17,6 +17,8 @@ from typing import Any
 
 from gateway.constraint_check import check
 from gateway.errors import EngineRefused, GatewayError, bad_request
+from gateway.request import SamplingOptions
+from gateway.tool_calls import ToolCallPlan
 from tessera.structured_output import StructuredOutputsParams
 
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -99,3 +101,32 @@ def _constraint_field(body) -> str | None:
         return given[0]
     # Only a text response_format: still checked (its type may be wrong).
     return "response_format" if body.response_format is not None else None
+
+
+def constrain_to_tool_calls(options: SamplingOptions, plan: ToolCallPlan | None) -> None:
+    """tool_choice "required" or a named function: the output is decoded
+    under the calls' schema (gateway/tool_calls/guided.py), which leaves no
+    room for another constraint (400 naming tool_choice). An engine pod's
+    refusal of the schema names the tools it came from."""
+    if plan is None or plan.constraint is None:
+        return
+    if options.structured_outputs is not None:
+        raise bad_request(f"tool_choice: {_choice_text(plan)} constrains the output to tool calls; it cannot be "
+                          f"combined with {options.structured_outputs_param}", "invalid_value", "tool_choice")
+    options.structured_outputs = plan.constraint
+    options.structured_outputs_param = _tool_schema_param(plan)
+
+
+def _choice_text(plan: ToolCallPlan) -> str:
+    request = plan.request
+    return f"the named function {request.named!r}" if request.choice == "named" else f"{request.choice!r}"
+
+
+def _tool_schema_param(plan: ToolCallPlan) -> str:
+    """Where the constraint's schema came from: the named function's
+    parameters, or (required) every tool's."""
+    request = plan.request
+    if request.choice != "named":
+        return "tools"
+    index = [tool.name for tool in request.tools].index(request.named)
+    return f"tools[{index}].function.parameters"

@@ -28,6 +28,14 @@ from tessera.structured_output import StructuredOutputsParams
 _JSON_FORMAT = {"any_whitespace": False, "separators": (",", ":")}
 # xgrammar prefixes its messages with a timestamp and C++ source location.
 _LOCATION_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+# A character of a string with minLength or maxLength, as xgrammar (0.2.9)
+# writes it: any but a quote, a backslash, CR or LF, so a raw control
+# character (U+0000-U+001F) too, which JSON forbids: a sampling model that
+# draws one writes output no JSON parser reads (a tool call's arguments
+# among them). Its unbounded strings already exclude them; bounded ones are
+# made to as well.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 
 
 def _clean(error: Exception) -> str:
@@ -41,10 +49,10 @@ def parse(params: StructuredOutputsParams) -> xgr.Grammar:
     kind = params.kind
     try:
         if kind == "json":
-            return xgr.Grammar.from_json_schema(params.spec, **_JSON_FORMAT)
+            return _json_grammar(xgr.Grammar.from_json_schema(params.spec, **_JSON_FORMAT))
         if kind == "json_object":
             # Not strict: any properties, any values.
-            return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **_JSON_FORMAT)
+            return _json_grammar(xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **_JSON_FORMAT))
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":
@@ -54,6 +62,14 @@ def parse(params: StructuredOutputsParams) -> xgr.Grammar:
     except (RuntimeError, ValueError) as e:
         what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar", "choice": "choice list"}.get(kind, kind)
         raise ValueError(f"structured_outputs.{kind}: invalid {what}: {_clean(e)}") from None
+
+
+def _json_grammar(grammar: xgr.Grammar) -> xgr.Grammar:
+    """A JSON schema's grammar whose strings hold no raw control character."""
+    text = str(grammar)
+    if _BOUNDED_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def validate(params: StructuredOutputsParams) -> None:

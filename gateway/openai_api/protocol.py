@@ -12,7 +12,7 @@ field descriptions name.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,6 +20,15 @@ from gateway import structured_output
 from tessera.lora import LORA_NAME_RULE, MAX_LORA_NAME_LEN
 from gateway.lora_admin import MAX_LORA_PATH_LEN
 from gateway.request import SamplingOptions
+from gateway.tool_calls.limits import (
+    MAX_DESCRIPTION_CHARS,
+    MAX_MESSAGE_TOOL_CALLS,
+    MAX_TOOL_CALL_ARGUMENTS_CHARS,
+    MAX_TOOL_CALL_ID_CHARS,
+    MAX_TOOL_NAME_CHARS,
+    MAX_TOOLS,
+    TOOL_NAME_RULE,
+)
 from tessera.sampling_limits import (
     API_RANGES,
     INT32_MAX,
@@ -191,17 +200,62 @@ class CompletionRequest(_SamplingFields):
                                                 json_schema_extra={"maxProperties": 0})
 
 
+_FUNCTION_NAME_DOC = {"type": "string", "pattern": f"^{TOOL_NAME_RULE.pattern}$"}
+_TOOL_DOC = {
+    "type": "object", "required": ["type", "function"], "additionalProperties": False,
+    "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {
+            "type": "object", "required": ["name"], "additionalProperties": False,
+            "properties": {"name": _FUNCTION_NAME_DOC,
+                           "description": {"type": "string", "maxLength": MAX_DESCRIPTION_CHARS},
+                           "parameters": {"type": "object", "description": "a JSON Schema of the arguments "
+                                                                           "object (its type: object)"},
+                           "strict": {"type": "boolean"}},
+        },
+    },
+}
+_TOOLS_DOC = {"type": "array", "minItems": 1, "maxItems": MAX_TOOLS, "items": _TOOL_DOC}
+_NAMED_CHOICE_DOC = {
+    "type": "object", "required": ["type", "function"], "additionalProperties": False,
+    "properties": {"type": {"type": "string", "enum": ["function"]},
+                   "function": {"type": "object", "required": ["name"], "additionalProperties": False,
+                                "properties": {"name": _FUNCTION_NAME_DOC}}},
+}
+
+
 class TextPart(BaseModel):
     model_config = _STRICT
     type: Literal["text"]
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS)
+    arguments: str = Field(max_length=MAX_TOOL_CALL_ARGUMENTS_CHARS,
+                           description="the arguments object's JSON text, as the model wrote it")
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant message made (a choice's `message.tool_calls[i]`, sent back)."""
+
+    model_config = _STRICT
+    id: str = Field(min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(None, description="null: no text (an assistant message "
+                                                                   "that only calls tools)")
     name: str | None = Field(None, max_length=256)
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=MAX_MESSAGE_TOOL_CALLS,
+                                                     description="assistant messages only")
+    tool_call_id: str | None = Field(None, min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS,
+                                     description="tool messages only, and required there: the call answered")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -218,7 +272,16 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     logit_bias: dict[str, float] | None = Field(None, description=_UNSUPPORTED,
                                                 json_schema_extra={"maxProperties": 0})
-    tools: list[dict] | None = Field(None, description=_UNSUPPORTED, json_schema_extra={"maxItems": 0})
+    # Tool calling (gateway/tool_calls checks them, each mistake a 400 naming
+    # the field, e.g. tools[2].function.parameters); the document states
+    # their shape, the checks' one home is gateway/tool_calls/definitions.py.
+    tools: list[dict] | None = Field(None, description="functions the model may call (docs/tool-calling.md)",
+                                     json_schema_extra={"anyOf": [_TOOLS_DOC, {"type": "null"}]})
+    tool_choice: Any = Field(None, description="none, auto (the default with tools: needs the model's "
+                                               "tool_call_parser), required, or a named function",
+                             json_schema_extra={"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                                                          _NAMED_CHOICE_DOC, {"type": "null"}]})
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true)")
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -1,10 +1,18 @@
-"""Gateway outputs -> OpenAI response objects (completions and chat)."""
+"""Gateway outputs -> OpenAI response objects (completions and chat).
+
+A chat request with tools reads each choice's text with its own tool-call
+parser (gateway/tool_calls): the message, or the stream's deltas, are what
+the parser makes of the text; the logprobs stay those of every generated
+token, a call's text included (as vLLM's), each sent with the chunk of the
+update it came in, even when the parser holds that text back.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from gateway.request import ChoiceUpdate, TokenLogprob, Usage
+from gateway.tool_calls import StreamDelta, ToolCallParser, finish_reason
 
 
 def usage_json(usage: Usage) -> dict:
@@ -51,21 +59,49 @@ def completion_choice(update: ChoiceUpdate, want_logprobs: bool, text_offsets: S
     }
 
 
-def chat_choice(update: ChoiceUpdate, want_logprobs: bool) -> dict:
+def chat_choice(update: ChoiceUpdate, want_logprobs: bool, parser: ToolCallParser | None = None) -> dict:
+    """A whole choice; `parser`: its tool-call parser (None: the text is the content)."""
+    message: dict = {"role": "assistant", "content": update.text}
+    reason = update.finish_reason
+    if parser is not None:
+        output = parser.parse(update.text)
+        message = output.to_openai_message()
+        reason = None if reason is None else finish_reason(reason, output)
     return {
         "index": update.index,
-        "message": {"role": "assistant", "content": update.text},
+        "message": message,
         "logprobs": chat_logprobs(update.logprobs) if want_logprobs else None,
-        "finish_reason": update.finish_reason,
+        "finish_reason": reason,
         "stop_reason": _stop_reason(update),
     }
 
 
 def chat_chunk_choice(update: ChoiceUpdate, want_logprobs: bool, first: bool) -> dict:
     delta = {"role": "assistant", "content": update.text} if first else {"content": update.text}
-    return {
-        "index": update.index,
-        "delta": delta,
-        "logprobs": chat_logprobs(update.logprobs) if want_logprobs else None,
-        "finish_reason": update.finish_reason,
-    }
+    return _chunk_choice(update.index, delta, chat_logprobs(update.logprobs) if want_logprobs else None,
+                         update.finish_reason)
+
+
+def tool_chunk_choices(update: ChoiceUpdate, want_logprobs: bool, first: bool, parser: ToolCallParser) -> list[dict]:
+    """The chunks' choices of an update read by the choice's tool-call
+    parser: what its text adds (with the role when first; none when it adds
+    nothing and there is no logprob to carry); at the choice's end, what
+    the parser held back, with the finish reason."""
+    delta = parser.feed(update.text)
+    choices = []
+    if first or delta or (want_logprobs and update.logprobs):
+        logprobs = chat_logprobs(update.logprobs) if want_logprobs else None
+        choices.append(_chunk_choice(update.index, _role_first(delta, first), logprobs, None))
+    if update.finish_reason is not None:
+        last = parser.finish()
+        reason = finish_reason(update.finish_reason, parser.result())
+        choices.append(_chunk_choice(update.index, last.to_openai(), None, reason))
+    return choices
+
+
+def _role_first(delta: StreamDelta, first: bool) -> dict:
+    return {"role": "assistant", **delta.to_openai()} if first else delta.to_openai()
+
+
+def _chunk_choice(index: int, delta: dict, logprobs: dict | None, reason: str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}

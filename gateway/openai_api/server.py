@@ -37,6 +37,7 @@ from gateway.errors import (
 from gateway.openai_api.checks import authenticated_route, endpoint_label
 from gateway.openai_api.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
@@ -47,12 +48,16 @@ from gateway.openai_api.render import (
     chat_choice,
     chat_chunk_choice,
     completion_choice,
+    tool_chunk_choices,
     usage_json,
 )
 from gateway.rejections import count_rejection
 from gateway.request import GenerationRequest, TokenLogprob
 from gateway.response_stream import ResponseStream
 from gateway.serving import Gateway
+from gateway.structured_output import constrain_to_tool_calls
+from gateway.tool_calls import ToolCallPlan, new_choice_parser, plan_tool_calls
+from gateway.tool_calls.history import HistoryCall, template_message
 
 logger = logging.getLogger(__name__)
 # How often a non-streamed request checks that its client is still there.
@@ -192,15 +197,18 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @v1.post("/v1/chat/completions", responses=generation_errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        gen = _chat_request(body)
+        # Tool settings first: every mistake in them is a 400 before any engine time.
+        tools = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                parser_name=gateway.config.model.tool_call_parser)
+        gen = _chat_request(body, tools)
         stream = await _open(gateway, gen, request, "chat")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(_chat_chunks(stream, body.model, body.logprobs, include_usage))
+            return _sse(_chat_chunks(stream, body.model, body.logprobs, include_usage, tools))
         choices = await _collect(stream, request)
         return {
             "id": f"chatcmpl-{stream.id}", "object": "chat.completion", "created": stream.created,
-            "model": body.model, "choices": [chat_choice(c, body.logprobs) for c in choices],
+            "model": body.model, "choices": [chat_choice(c, body.logprobs, new_choice_parser(tools)) for c in choices],
             "usage": usage_json(stream.usage),
         }
 
@@ -281,19 +289,30 @@ def _single_prompt(prompt) -> tuple[str | None, list[int] | None]:
                       "unsupported", "prompt")
 
 
-def _chat_request(body: ChatCompletionRequest) -> GenerationRequest:
-    for name in ("logit_bias", "tools"):
-        if getattr(body, name):
-            raise bad_request(f"{name}: not supported", "unsupported", name)
+def _chat_request(body: ChatCompletionRequest, tools: ToolCallPlan | None) -> GenerationRequest:
+    if body.logit_bias:
+        raise bad_request("logit_bias: not supported", "unsupported", "logit_bias")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: needs logprobs=true", "invalid_value", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    return GenerationRequest(_new_id(), body.model, messages=messages,
+    options = body.sampling_options(max_tokens, logprobs)
+    constrain_to_tool_calls(options, tools)
+    return GenerationRequest(_new_id(), body.model, messages=_template_messages(body.messages),
                              add_generation_prompt=body.add_generation_prompt,
-                             options=body.sampling_options(max_tokens, logprobs),
-                             priority_class=body.priority_class, user=body.user)
+                             tools=tools.template_tools if tools else None,
+                             options=options, priority_class=body.priority_class, user=body.user)
+
+
+def _template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template takes them, earlier tool calls and results included."""
+    return [template_message(f"messages[{i}]", m.role, m.text(), _history_calls(m), m.tool_call_id, m.name)
+            for i, m in enumerate(messages)]
+
+
+def _history_calls(message: ChatMessage) -> list[HistoryCall]:
+    return [HistoryCall(call.id, call.function.name, call.function.arguments) for call in message.tool_calls or ()]
+
 
 
 class ClientGone(Exception):
@@ -341,13 +360,14 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
 
 
 async def _chunks(stream: ResponseStream, base: dict, include_usage: bool, render) -> AsyncIterator[dict]:
-    """SSE events of a stream: one chunk per update (`render` makes its
-    choice), then the usage; if anything fails mid-way (the engine, or a
-    bug), an error event instead (`_sse` still ends the stream with
-    [DONE], so no client waits for more)."""
+    """SSE events of a stream: the chunks of each update (`render` makes
+    their choices, one chunk each), then the usage; if anything fails
+    mid-way (the engine, or a bug), an error event instead (`_sse` still
+    ends the stream with [DONE], so no client waits for more)."""
     try:
         async for update in stream:
-            yield {**base, "choices": [render(update)], **({"usage": None} if include_usage else {})}
+            for choice in render(update):
+                yield {**base, "choices": [choice], **({"usage": None} if include_usage else {})}
     except Exception as e:
         yield client_error(e, "mid-stream").to_openai()
         return
@@ -376,20 +396,23 @@ def _completion_chunks(stream: ResponseStream, model: str, want_logprobs: bool,
                 end -= 1
         entries, pending[i] = pending[i][:end - start], pending[i][end - start:]
         num_sent[i] = end
-        return completion_choice(dataclasses.replace(update, logprobs=entries), want_logprobs, offsets[start:end])
+        return [completion_choice(dataclasses.replace(update, logprobs=entries), want_logprobs, offsets[start:end])]
 
     base = {"id": f"cmpl-{stream.id}", "object": "text_completion", "created": stream.created, "model": model}
     return _chunks(stream, base, include_usage, render)
 
 
-def _chat_chunks(stream: ResponseStream, model: str, want_logprobs: bool,
-                 include_usage: bool) -> AsyncIterator[dict]:
+def _chat_chunks(stream: ResponseStream, model: str, want_logprobs: bool, include_usage: bool,
+                 tools: ToolCallPlan | None) -> AsyncIterator[dict]:
     started = [False] * len(stream.choices)  # the first delta of a choice carries the role
+    parsers = [new_choice_parser(tools) for _ in stream.choices]  # each choice's output is parsed on its own
 
     def render(update):
-        choice = chat_chunk_choice(update, want_logprobs, not started[update.index])
-        started[update.index] = True
-        return choice
+        first, started[update.index] = not started[update.index], True
+        parser = parsers[update.index]
+        if parser is None:
+            return [chat_chunk_choice(update, want_logprobs, first)]
+        return tool_chunk_choices(update, want_logprobs, first, parser)
 
     base = {"id": f"chatcmpl-{stream.id}", "object": "chat.completion.chunk", "created": stream.created,
             "model": model}

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tessera.v1 import structured_output_pb2 as tessera_dot_v1_dot_structured__output__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atessera/v1/inference.proto\x12\ntessera.v1\x1a\"tessera/v1/structured_output.proto\"\xd3\x04\n\x10GenerationParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0e\n\x01n\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x10 \x01(\x0b\x32\x1d.tessera.v1.StructuredOutputsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\r\n\x0b_min_tokensB\x0b\n\t_logprobs\"\xa0\x01\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.tessera.v1.GenerationParams\x12\x16\n\x0epriority_class\x18\x05 \x01(\t\x12\x0c\n\x04user\x18\x06 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd9\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.tessera.v1.ChatMessage\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.tessera.v1.GenerationParams\x12\x16\n\x0epriority_class\x18\x04 \x01(\t\x12\x0c\n\x04user\x18\x05 \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x06 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\">\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x10\n\x08token_id\x18\x03 \x01(\x05\"k\n\tTokenInfo\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.tessera.v1.TopLogprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"\x92\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.tessera.v1.TokenInfo\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\"x\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x17.tessera.v1.ChoiceDelta\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.tessera.v1.Usage\"\x8d\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.tessera.v1.TokenInfo\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\"\x85\x01\n\x10\x43ompletionResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12#\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x12.tessera.v1.Choice\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.tessera.v1.Usage\x12\x0f\n\x07\x63reated\x18\x05 \x01(\x01\"\x13\n\x11ListModelsRequest\"@\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x10\n\x08owned_by\x18\x03 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.tessera.v1.ModelInfo2\xf4\x02\n\tInference\x12H\n\x08\x43omplete\x12\x1d.tessera.v1.CompletionRequest\x1a\x1b.tessera.v1.CompletionChunk0\x01\x12L\n\rCompleteUnary\x12\x1d.tessera.v1.CompletionRequest\x1a\x1c.tessera.v1.CompletionResult\x12>\n\x04\x43hat\x12\x17.tessera.v1.ChatRequest\x1a\x1b.tessera.v1.CompletionChunk0\x01\x12\x42\n\tChatUnary\x12\x17.tessera.v1.ChatRequest\x1a\x1c.tessera.v1.CompletionResult\x12K\n\nListModels\x12\x1d.tessera.v1.ListModelsRequest\x1a\x1e.tessera.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atessera/v1/inference.proto\x12\ntessera.v1\x1a\"tessera/v1/structured_output.proto\"\xd3\x04\n\x10GenerationParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0e\n\x01n\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x10 \x01(\x0b\x32\x1d.tessera.v1.StructuredOutputsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\r\n\x0b_min_tokensB\x0b\n\t_logprobs\"\xa0\x01\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.tessera.v1.GenerationParams\x12\x16\n\x0epriority_class\x18\x05 \x01(\t\x12\x0c\n\x04user\x18\x06 \x01(\t\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.tessera.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\x7f\n\x0c\x46unctionTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x0b\x64\x65scription\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x13\n\x06strict\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x0e\n\x0c_descriptionB\t\n\x07_strict\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xe9\x02\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.tessera.v1.ChatMessage\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.tessera.v1.GenerationParams\x12\x16\n\x0epriority_class\x18\x04 \x01(\t\x12\x0c\n\x04user\x18\x05 \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\'\n\x05tools\x18\x07 \x03(\x0b\x32\x18.tessera.v1.FunctionTool\x12+\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x16.tessera.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x16\n\x14_parallel_tool_calls\">\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x10\n\x08token_id\x18\x03 \x01(\x05\"k\n\tTokenInfo\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.tessera.v1.TopLogprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"\xc1\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.tessera.v1.TokenInfo\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12-\n\ntool_calls\x18\x07 \x03(\x0b\x32\x19.tessera.v1.ToolCallDelta\"x\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x17.tessera.v1.ChoiceDelta\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.tessera.v1.Usage\"\xb7\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.tessera.v1.TokenInfo\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12(\n\ntool_calls\x18\x07 \x03(\x0b\x32\x14.tessera.v1.ToolCall\"\x85\x01\n\x10\x43ompletionResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12#\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x12.tessera.v1.Choice\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.tessera.v1.Usage\x12\x0f\n\x07\x63reated\x18\x05 \x01(\x01\"\x13\n\x11ListModelsRequest\"@\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x10\n\x08owned_by\x18\x03 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.tessera.v1.ModelInfo2\xf4\x02\n\tInference\x12H\n\x08\x43omplete\x12\x1d.tessera.v1.CompletionRequest\x1a\x1b.tessera.v1.CompletionChunk0\x01\x12L\n\rCompleteUnary\x12\x1d.tessera.v1.CompletionRequest\x1a\x1c.tessera.v1.CompletionResult\x12>\n\x04\x43hat\x12\x17.tessera.v1.ChatRequest\x1a\x1b.tessera.v1.CompletionChunk0\x01\x12\x42\n\tChatUnary\x12\x17.tessera.v1.ChatRequest\x1a\x1c.tessera.v1.CompletionResult\x12K\n\nListModels\x12\x1d.tessera.v1.ListModelsRequest\x1a\x1e.tessera.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,29 +37,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPLETIONREQUEST']._serialized_start=677
   _globals['_COMPLETIONREQUEST']._serialized_end=837
   _globals['_CHATMESSAGE']._serialized_start=839
-  _globals['_CHATMESSAGE']._serialized_end=883
-  _globals['_CHATREQUEST']._serialized_start=886
-  _globals['_CHATREQUEST']._serialized_end=1103
-  _globals['_TOPLOGPROB']._serialized_start=1105
-  _globals['_TOPLOGPROB']._serialized_end=1167
-  _globals['_TOKENINFO']._serialized_start=1169
-  _globals['_TOKENINFO']._serialized_end=1276
-  _globals['_USAGE']._serialized_start=1278
-  _globals['_USAGE']._serialized_end=1380
-  _globals['_CHOICEDELTA']._serialized_start=1383
-  _globals['_CHOICEDELTA']._serialized_end=1529
-  _globals['_COMPLETIONCHUNK']._serialized_start=1531
-  _globals['_COMPLETIONCHUNK']._serialized_end=1651
-  _globals['_CHOICE']._serialized_start=1654
-  _globals['_CHOICE']._serialized_end=1795
-  _globals['_COMPLETIONRESULT']._serialized_start=1798
-  _globals['_COMPLETIONRESULT']._serialized_end=1931
-  _globals['_LISTMODELSREQUEST']._serialized_start=1933
-  _globals['_LISTMODELSREQUEST']._serialized_end=1952
-  _globals['_MODELINFO']._serialized_start=1954
-  _globals['_MODELINFO']._serialized_end=2018
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2020
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2079
-  _globals['_INFERENCE']._serialized_start=2082
-  _globals['_INFERENCE']._serialized_end=2454
+  _globals['_CHATMESSAGE']._serialized_end=961
+  _globals['_FUNCTIONTOOL']._serialized_start=963
+  _globals['_FUNCTIONTOOL']._serialized_end=1090
+  _globals['_TOOLCHOICE']._serialized_start=1092
+  _globals['_TOOLCHOICE']._serialized_end=1150
+  _globals['_TOOLCALL']._serialized_start=1152
+  _globals['_TOOLCALL']._serialized_end=1207
+  _globals['_TOOLCALLDELTA']._serialized_start=1209
+  _globals['_TOOLCALLDELTA']._serialized_end=1284
+  _globals['_CHATREQUEST']._serialized_start=1287
+  _globals['_CHATREQUEST']._serialized_end=1648
+  _globals['_TOPLOGPROB']._serialized_start=1650
+  _globals['_TOPLOGPROB']._serialized_end=1712
+  _globals['_TOKENINFO']._serialized_start=1714
+  _globals['_TOKENINFO']._serialized_end=1821
+  _globals['_USAGE']._serialized_start=1823
+  _globals['_USAGE']._serialized_end=1925
+  _globals['_CHOICEDELTA']._serialized_start=1928
+  _globals['_CHOICEDELTA']._serialized_end=2121
+  _globals['_COMPLETIONCHUNK']._serialized_start=2123
+  _globals['_COMPLETIONCHUNK']._serialized_end=2243
+  _globals['_CHOICE']._serialized_start=2246
+  _globals['_CHOICE']._serialized_end=2429
+  _globals['_COMPLETIONRESULT']._serialized_start=2432
+  _globals['_COMPLETIONRESULT']._serialized_end=2565
+  _globals['_LISTMODELSREQUEST']._serialized_start=2567
+  _globals['_LISTMODELSREQUEST']._serialized_end=2586
+  _globals['_MODELINFO']._serialized_start=2588
+  _globals['_MODELINFO']._serialized_end=2652
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2654
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2713
+  _globals['_INFERENCE']._serialized_start=2716
+  _globals['_INFERENCE']._serialized_end=3088
 # @@protoc_insertion_point(module_scope)

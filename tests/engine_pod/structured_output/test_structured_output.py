@@ -156,3 +156,15 @@ def test_manager_masks_drafted_positions_and_validates_drafts(tiny_llama, tokeni
     assert manager.accept_tokens("g", drafts) and not manager.is_terminated("g")
     assert manager.accept_tokens("g", [3]) and manager.is_terminated("g")
     manager.shutdown()
+
+
+@pytest.mark.parametrize("string_schema", [{"type": "string", "maxLength": 8}, {"type": "string", "minLength": 1},
+                                           {"type": "string"}], ids=["maxLength", "minLength", "unbounded"])
+def test_json_strings_hold_no_raw_control_character(backend, string_schema):
+    """JSON forbids raw U+0000-U+001F in strings; xgrammar's bounded strings allowed them (a sampled
+    tool call's arguments then did not parse)."""
+    schema = {"type": "object", "properties": {"a": string_schema}, "required": ["a"], "additionalProperties": False}
+    compiled = backend.compile(StructuredOutputsParams(json=schema))
+    for text, valid in (('{"a":"ok é"}', True), ('{"a":"x\x1e"}', False), ('{"a":"\x04"}', False),
+                        ('{"a":"x\ty"}', False)):
+        assert xgr.GrammarMatcher(compiled).accept_string(text) is valid, text
