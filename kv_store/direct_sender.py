@@ -27,9 +27,9 @@ import queue
 import ssl
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
@@ -44,8 +44,6 @@ logger = logging.getLogger(__name__)
 # A block queued for the wire: (block hash, encoded value, MAC not yet set).
 _Block = tuple[bytes, bytes]
 _END = None
-# Blocks of a transfer signed ahead of the one being sent.
-_SIGN_AHEAD = 2
 
 
 @dataclass(frozen=True)
@@ -104,7 +102,6 @@ class DirectSender:
         self._make_client = client
         self._client: InternalClient | None = None
         self._socket_tls: ssl.SSLContext | None = None
-        self._signer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-push-sign")
         self.config = config
         self._transfers: dict[str, _Transfer] = {}
         self._channels: OrderedDict[str, grpc.Channel] = OrderedDict()  # least recently used first
@@ -154,7 +151,6 @@ class DirectSender:
             transfer.queue.put(_END)
         for channel in channels:
             channel.close()
-        self._signer.shutdown(wait=False, cancel_futures=True)
 
     # -- the transfer's thread ----------------------------------------------
     def _run(self, transfer: _Transfer) -> None:
@@ -202,25 +198,9 @@ class DirectSender:
             return pb.OpenKVInboxReply(port=0)  # a pod of an older release: gRPC only
 
     def _signed_blocks(self, transfer: _Transfer) -> Iterator[tuple[bytes, bytes]]:
-        """The transfer's blocks, signed, as they are queued, until ``finish``.
-        Blocks already queued are signed on the signer threads while the one
-        before them is on the wire (the MAC and the socket both release the GIL)."""
-        pending: deque[tuple[bytes, Future[bytes]]] = deque()
-        ended = False
-        while True:
-            while not ended and len(pending) < _SIGN_AHEAD:
-                try:
-                    item = transfer.queue.get_nowait() if pending else transfer.queue.get()
-                except queue.Empty:
-                    break
-                if item is _END:
-                    ended = True
-                else:
-                    pending.append((item[0], self._signer.submit(self._sign, item[1])))
-            if not pending:
-                return
-            block_hash, signed = pending.popleft()
-            yield block_hash, signed.result()
+        """The transfer's blocks, signed, as they are queued, until ``finish``."""
+        while (item := transfer.queue.get()) is not _END:
+            yield item[0], self._sign(item[1])
 
     def _tls_context(self) -> ssl.SSLContext | None:
         """The socket's TLS: the pod's own certificate, as on its gRPC channels (None: plaintext)."""
