@@ -4,6 +4,7 @@ gateway, internal secret and TLS, NetworkPolicies); crd_engine has the engine po
 from __future__ import annotations
 
 from gateway.config import KV_CHANNELS, DisaggregationConfig
+from gateway.tool_calls.parsers import parser_names
 from tessera.internal_secret import SECRET_KEY
 from tessera_operator.crd_engine import autoscaling_schema, engine_schema, kv_store_schema, pools_schema
 from tessera_operator.crd_lora import LORA_NAMES_RULE, LORA_SETTINGS_RULE, loras_schema
@@ -83,6 +84,10 @@ def _model() -> Schema:
                         default="auto"),
         "maxModelLen": integer("Context length in tokens, prompt plus output (default: config.json's "
                                "max_position_embeddings).", minimum=1),
+        "toolCallParser": string("How tool_choice \"auto\" finds tool calls in this model's text, by its family's "
+                                 "format: hermes (<tool_call> JSON blocks: Hermes, Qwen2.5, Qwen3) or llama3_json "
+                                 "(Llama 3.x's JSON calls). Absent: \"auto\" is refused; \"required\", a named "
+                                 "function and \"none\" need no parser.", enum=list(parser_names())),
     }, required=["name"], rules=[(ONE_SOURCE_RULE, "set exactly one of model.pvc and model.hostPath")])
 
 

@@ -30,6 +30,7 @@ def gateway_config(owner: Owner, spec: dict) -> dict:
             "path": pod_parts.model_path(spec["model"]),
             "max_model_len": spec["model"].get("maxModelLen"),
             "block_size": spec["engine"]["blockSize"],
+            "tool_call_parser": spec["model"].get("toolCallParser"),
         },
         "server": {"host": "0.0.0.0", "http_port": HTTP_PORT, "grpc_port": GRPC_PORT, "metrics_port": METRICS_PORT},
         "pods": {"kubernetes": {

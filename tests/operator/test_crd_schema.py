@@ -160,6 +160,7 @@ INVALID = [
     ("negative inbox", {"disaggregation": {"inboxBytes": "-1Gi"}}, "spec.disaggregation.inboxBytes", True),
     ("negative integer inbox", {"disaggregation": {"inboxBytes": -1}}, "spec.disaggregation.inboxBytes", True),
     ("inbox not a quantity", {"disaggregation": {"inboxBytes": "1 GB"}}, "spec.disaggregation.inboxBytes", True),
+    ("unknown tool-call parser", {"model": {"toolCallParser": "mistral"}}, "spec.model.toolCallParser", True),
     ("zero redis timeout", {"kvStore": {"redis": {"urlSecretRef": {"name": "r"}, "timeoutSeconds": 0}}},
      "spec.kvStore.redis.timeoutSeconds", True),
     # Cross-field rules: CEL on the cluster, so the reference JSON Schema validator cannot see them.

@@ -27,7 +27,7 @@ def arg_value(args: list[str], flag: str) -> str:
 
 
 FULL_SPEC = {
-    "model": {"name": "llama-70b", "dtype": "bfloat16", "maxModelLen": 8192},
+    "model": {"name": "llama-70b", "dtype": "bfloat16", "maxModelLen": 8192, "toolCallParser": "llama3_json"},
     "image": "registry.local/tessera:dev",
     "imagePullPolicy": "Always",
     "mode": "disaggregated",
@@ -402,7 +402,8 @@ def test_gateway_config_file(full):
     objects = by_key(full)
     config = yaml.safe_load(objects[("ConfigMap", "llama-gateway")]["data"]["gateway.yaml"])
     assert config == {
-        "model": {"name": "llama-70b", "path": "/models/llama-8b", "max_model_len": 8192, "block_size": 32},
+        "model": {"name": "llama-70b", "path": "/models/llama-8b", "max_model_len": 8192, "block_size": 32,
+                  "tool_call_parser": "llama3_json"},
         "server": {"host": "0.0.0.0", "http_port": 8000, "grpc_port": 50051, "metrics_port": 9090},
         "pods": {"kubernetes": {"namespace": "ml", "port_name": "grpc",
                                 "services": {"prefill": "llama-prefill", "decode": "llama-decode"}}},
@@ -420,7 +421,7 @@ def test_gateway_config_file(full):
     loaded = gateway_config_from_dict(config)
     assert loaded.pods.kubernetes.services == {"prefill": "llama-prefill", "decode": "llama-decode"}
     assert loaded.server.metrics_port == 9090 and loaded.internal.tls.server_name == "engine.llama.internal"
-    assert loaded.disaggregation.kv_channel == "direct"
+    assert loaded.disaggregation.kv_channel == "direct" and loaded.model.tool_call_parser == "llama3_json"
 
 
 def test_gateway_pod_mounts_config_tenants_and_model(full):
