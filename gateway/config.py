@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -268,6 +268,41 @@ class InternalConfig:
 
 
 @dataclass(frozen=True)
+class BatchConfig:
+    """The OpenAI Batch API (/v1/files, /v1/batches: gateway/batch/, docs/batch.md)."""
+
+    directory: str | None = None
+    """Where files and batches are kept without Redis (one gateway replica): a
+    directory the gateway may write, surviving its restarts."""
+    redis_url: str | None = field(default=None, repr=False)
+    """Where files and batches are kept when several gateway replicas share
+    them (redis://...); takes precedence over `directory`. It may hold a
+    password: never shown."""
+    key_prefix: str = "tessera:batch:"
+    """Prefix of every Redis key the Batch API writes."""
+    priority_class: str | None = None
+    """The priority class batch lines run at. None: the sheddable class of
+    lowest priority (the largest `priority`), or the lowest one if none sheds."""
+    max_concurrency: int = 8
+    """Lines of batches this gateway has in flight at most, all batches together."""
+    max_file_bytes: int = 64 << 20
+    """Bytes of one uploaded file at most (a larger one is refused, 400)."""
+    max_lines_per_file: int = 50_000
+    """Requests (lines) in one batch input file at most."""
+    max_files_per_tenant: int = 1000
+    """Files one tenant may keep (uploads and batch outputs together)."""
+    max_batches_per_tenant: int = 1000
+    """Batches one tenant may keep, whatever their status."""
+    lease_s: float = 30.0
+    """Seconds a runner's claim on a batch lasts unless renewed (renewed every
+    third of it): a replica that dies holds its batches this long at most."""
+    poll_interval_s: float = 1.0
+    """Seconds between the runner's looks for batches to run."""
+    retry_interval_s: float = 1.0
+    """Seconds before a line the gateway shed (429/503) is tried again."""
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     model: ModelConfig
     server: ServerConfig = ServerConfig()
@@ -280,6 +315,8 @@ class GatewayConfig:
     router: RouterConfig = RouterConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     internal: InternalConfig = InternalConfig()
+    # None: the Batch API is off (its routes answer 404).
+    batch: BatchConfig | None = None
 
     def __post_init__(self) -> None:
         _check(self.model.block_size > 0, "model.block_size must be > 0")
@@ -329,6 +366,8 @@ class GatewayConfig:
         _check(channel in KV_CHANNELS, f"disaggregation.kv_channel must be one of {', '.join(KV_CHANNELS)}, "
                                        f"got {channel!r}")
         _check(isinstance(self.internal, InternalConfig), "internal: expected a mapping (secret_file, tls)")
+        if self.batch is not None:
+            _check_batch(self.batch)
 
 
 def _check_loras(model: ModelConfig) -> None:
@@ -339,6 +378,16 @@ def _check_loras(model: ModelConfig) -> None:
         _check(problem is None, f"model.loras[{i}].name: {problem}")
         _check(lora.name not in seen, f"model.loras[{i}].name: {lora.name!r} is listed twice")
         seen.add(lora.name)
+
+
+def _check_batch(batch: BatchConfig) -> None:
+    _check(batch.directory is not None or batch.redis_url is not None,
+           "batch: give a directory or a redis_url to keep files and batches in")
+    for name in ("max_concurrency", "max_file_bytes", "max_lines_per_file", "max_files_per_tenant",
+                 "max_batches_per_tenant"):
+        _check(getattr(batch, name) >= 1, f"batch.{name} must be >= 1")
+    for name in ("lease_s", "poll_interval_s", "retry_interval_s"):
+        _check(getattr(batch, name) > 0, f"batch.{name} must be > 0")
 
 
 def _check_tool_call_parser(model: ModelConfig) -> None:
@@ -375,6 +424,7 @@ _NESTED = {
     "ModelConfig": ModelConfig, "ServerConfig": ServerConfig, "PodsConfig": PodsConfig,
     "AdmissionConfig": AdmissionConfig, "RouterConfig": RouterConfig, "RouterWeights": RouterWeights,
     "DisaggregationConfig": DisaggregationConfig, "InternalConfig": InternalConfig, "InternalTLS": InternalTLS,
+    "BatchConfig": BatchConfig,
     "KubernetesDiscovery": KubernetesDiscovery, "FileDiscovery": FileDiscovery,
 }
 

@@ -21,6 +21,8 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
+from gateway.batch.runner import BatchRunner
+from gateway.batch.store import BatchStore, open_store
 from gateway.config import GatewayConfig, GatewayConfigError, InternalConfig, load_gateway_config
 from gateway.grpc_service import InferenceService
 from gateway.grpc_service import add_to_server as add_inference_service
@@ -94,6 +96,7 @@ def _warn_unknown_allowed_models(config: GatewayConfig, tenants: TenantRegistry)
 
 async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
     gateway = build_gateway(config)
+    batch_store, batch_runner = _batch_api(config, gateway)
     # Everything loaded so far (transformers, the tokenizer) lives as long as
     # the process: keep it out of the cyclic GC's scans, which would otherwise
     # pause requests for tens of milliseconds.
@@ -122,7 +125,9 @@ async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
     await grpc_server.start()
     health_task = asyncio.create_task(_track_health(gateway, health_servicer))
 
-    app = build_app(gateway)
+    if batch_runner is not None:
+        batch_runner.start()
+    app = build_app(gateway, batch_store)
     http = _HttpServer(uvicorn.Config(
         app, host=config.server.host, port=config.server.http_port, log_level="warning", access_log=False,
         lifespan="off", timeout_graceful_shutdown=int(drain_timeout), timeout_keep_alive=config.server.keep_alive_s,
@@ -141,9 +146,23 @@ async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
         gateway.loop_lag.stop()
         if watcher is not None:
             watcher.stop()
+        if batch_runner is not None:
+            await batch_runner.stop()  # lines in flight are run again by whoever resumes the batch
+            await batch_store.close()
         await gateway.close()
         if metrics_server is not None:
             metrics_server.shutdown()
+
+
+def _batch_api(config: GatewayConfig, gateway: Gateway) -> tuple[BatchStore | None, BatchRunner | None]:
+    """The Batch API's store and runner (docs/batch.md), or none without a `batch` section."""
+    if config.batch is None:
+        return None, None
+    try:
+        store = open_store(config.batch)
+        return store, BatchRunner(gateway, store, config.batch)
+    except (ValueError, OSError) as e:
+        raise GatewayConfigError(f"batch: {e}") from None
 
 
 def _serve_metrics(config: GatewayConfig, gateway: Gateway):

@@ -24,6 +24,8 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from gateway import lora_admin
+from gateway.batch.api import batch_router
+from gateway.batch.store import BatchStore
 from gateway.catalog import ModelEntry
 from gateway.http_tracing import telemetry_config
 from gateway.errors import (
@@ -56,6 +58,7 @@ from gateway.request import GenerationRequest, TokenLogprob
 from gateway.response_stream import ResponseStream
 from gateway.serving import Gateway
 from gateway.structured_output import constrain_to_tool_calls
+from gateway.tenants import Tenant
 from gateway.tool_calls import ToolCallPlan, new_choice_parser, plan_tool_calls
 from gateway.tool_calls.history import HistoryCall, template_message
 
@@ -133,7 +136,8 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def build_app(gateway: Gateway) -> FastAPI:
+def build_app(gateway: Gateway, batch_store: BatchStore | None = None) -> FastAPI:
+    """`batch_store`: where the Batch API keeps files and batches (None: no Batch API)."""
     # FastAPI itself makes the SERVER span of each request (joined to the caller's W3C
     # traceparent) with the global tracer provider; telemetry_config() leaves out health probes.
     app = FastAPI(title="Tessera gateway", version="v1",
@@ -188,12 +192,7 @@ def build_app(gateway: Gateway) -> FastAPI:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(_completion_chunks(stream, body.model, want_logprobs, include_usage))
-        choices = await _collect(stream, request)
-        return {
-            "id": f"cmpl-{stream.id}", "object": "text_completion", "created": stream.created, "model": body.model,
-            "choices": [completion_choice(c, want_logprobs, stream.choices[c.index].text_offsets) for c in choices],
-            "usage": usage_json(stream.usage),
-        }
+        return completion_json(stream, body, await _collect(stream, request))
 
     @v1.post("/v1/chat/completions", responses=generation_errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -205,12 +204,7 @@ def build_app(gateway: Gateway) -> FastAPI:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(_chat_chunks(stream, body.model, body.logprobs, include_usage, tools))
-        choices = await _collect(stream, request)
-        return {
-            "id": f"chatcmpl-{stream.id}", "object": "chat.completion", "created": stream.created,
-            "model": body.model, "choices": [chat_choice(c, body.logprobs, new_choice_parser(tools)) for c in choices],
-            "usage": usage_json(stream.usage),
-        }
+        return chat_completion_json(stream, body, tools, await _collect(stream, request))
 
     @v1.get("/v1/models", responses=error_responses(401, 500))
     async def models(request: Request):
@@ -256,7 +250,53 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     app.include_router(v1)
     app.include_router(admin)
+    if batch_store is not None:
+        app.include_router(batch_router(gateway, batch_store))
     return app
+
+
+def completion_json(stream: ResponseStream, body: CompletionRequest, choices) -> dict:
+    """A non-streamed /v1/completions answer."""
+    want_logprobs = body.logprobs is not None
+    return {
+        "id": f"cmpl-{stream.id}", "object": "text_completion", "created": stream.created, "model": body.model,
+        "choices": [completion_choice(c, want_logprobs, stream.choices[c.index].text_offsets) for c in choices],
+        "usage": usage_json(stream.usage),
+    }
+
+
+def chat_completion_json(stream: ResponseStream, body: ChatCompletionRequest, tools: ToolCallPlan | None,
+                         choices) -> dict:
+    """A non-streamed /v1/chat/completions answer."""
+    return {
+        "id": f"chatcmpl-{stream.id}", "object": "chat.completion", "created": stream.created,
+        "model": body.model, "choices": [chat_choice(c, body.logprobs, new_choice_parser(tools)) for c in choices],
+        "usage": usage_json(stream.usage),
+    }
+
+
+async def run_completion(gateway: Gateway, body: CompletionRequest, tenant: Tenant, endpoint: str) -> dict:
+    """A non-streamed completion with no HTTP request around it (a batch line):
+    the same pipeline and answer as the route's; raises GatewayError."""
+    stream = await gateway.open_stream(_completion_request(body), tenant, endpoint)
+    return completion_json(stream, body, await _collect_detached(stream))
+
+
+async def run_chat_completion(gateway: Gateway, body: ChatCompletionRequest, tenant: Tenant, endpoint: str) -> dict:
+    """A non-streamed chat completion with no HTTP request around it (a batch line); raises GatewayError."""
+    tools = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls,
+                            parser_name=gateway.config.model.tool_call_parser)
+    stream = await gateway.open_stream(_chat_request(body, tools), tenant, endpoint)
+    return chat_completion_json(stream, body, tools, await _collect_detached(stream))
+
+
+async def _collect_detached(stream: ResponseStream):
+    try:
+        return await stream.collect()
+    except Exception as e:
+        raise client_error(e, "mid-request") from None
+    finally:
+        await stream.aclose()
 
 
 def _new_id() -> str:

@@ -1,0 +1,215 @@
+"""The Batch API end to end with the OpenAI SDK: a real gateway (or two, one
+after the other) in front of the tiny model's engine pods, files and batches
+in a directory or a real redis-server."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from gateway.process import GatewayProcess
+from tests.gateway.observe import metric_sum
+from tests.gateway.conftest import MODEL_NAME, client, gateway_config, write_tenants
+
+# Quick turns for the tests: a dead runner's batch is resumed within seconds.
+BATCH_TIMING = {"lease_s": 2.0, "poll_interval_s": 0.2, "retry_interval_s": 0.2}
+
+
+def _gateway(tiny_llama, engine_pods, work, batch: dict) -> GatewayProcess:
+    config = gateway_config(tiny_llama, [(p, "mixed") for p in engine_pods], write_tenants(work / "tenants.yaml"),
+                            batch={**BATCH_TIMING, **batch})
+    gw = GatewayProcess(config, work, log_path=work / "gateway.log")
+    gw.wait_ready(num_pods=2)
+    return gw
+
+
+@pytest.fixture(scope="module")
+def batch_gateway(tiny_llama, engine_pods, tmp_path_factory):
+    work = tmp_path_factory.mktemp("batch-gateway")
+    gw = _gateway(tiny_llama, engine_pods, work, {"directory": str(work / "store"), "max_file_bytes": 200_000,
+                                                  "max_lines_per_file": 500})
+    yield gw
+    gw.terminate()
+
+
+def _jsonl(n: int, url: str = "/v1/completions", prefix: str = "req") -> bytes:
+    lines = []
+    for i in range(n):
+        if url == "/v1/completions":
+            body = {"model": MODEL_NAME, "prompt": f"count {i}:", "max_tokens": 2, "temperature": 0}
+        else:
+            body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2}
+        lines.append(json.dumps({"custom_id": f"{prefix}-{i}", "method": "POST", "url": url, "body": body}))
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _upload(c: openai.OpenAI, content: bytes, purpose: str = "batch"):
+    return c.files.create(file=("input.jsonl", io.BytesIO(content)), purpose=purpose)
+
+
+def _wait(c: openai.OpenAI, batch_id: str, until, timeout: float = 240.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = c.batches.retrieve(batch_id)
+        if until(batch):
+            return batch
+        time.sleep(0.2)
+    raise TimeoutError(f"batch {batch_id}: still {batch.status} {batch.request_counts} after {timeout}s")
+
+
+def _done(batch) -> bool:
+    return batch.status in ("completed", "failed", "cancelled", "expired")
+
+
+def _output(c: openai.OpenAI, file_id: str) -> list[dict]:
+    return [json.loads(line) for line in c.files.content(file_id).text.splitlines() if line]
+
+
+def test_a_batch_of_200_lines_completes_in_order(batch_gateway):
+    c = client(batch_gateway)
+    uploaded = _upload(c, _jsonl(200))
+    assert uploaded.purpose == "batch" and uploaded.bytes > 0
+    batch = c.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h",
+                             metadata={"job": "nightly"})
+    assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
+    batch = _wait(c, batch.id, _done)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (200, 200, 0)
+    assert batch.error_file_id is None and batch.completed_at is not None
+    output = _output(c, batch.output_file_id)
+    assert [o["custom_id"] for o in output] == [f"req-{i}" for i in range(200)]  # the input's order
+    for o in output:
+        assert o["error"] is None and o["response"]["status_code"] == 200
+        assert o["response"]["body"]["object"] == "text_completion"
+        assert o["response"]["body"]["usage"]["completion_tokens"] <= 2
+    assert c.files.retrieve(batch.output_file_id).purpose == "batch_output"
+    assert batch.id in [b.id for b in c.batches.list(limit=100).data]
+    # The lines ran through the interactive pipeline, in the sheddable "batch" class.
+    ran = metric_sum(batch_gateway.metrics_url, "tessera_gateway_requests_total", tenant="alice",
+                     priority_class="batch", endpoint="batch", outcome="ok")
+    assert ran >= 200
+
+
+def test_chat_lines_and_a_line_the_engine_refuses(batch_gateway):
+    c = client(batch_gateway)
+    bad = json.dumps({"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+                      "body": {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}})
+    uploaded = _upload(c, _jsonl(3, "/v1/chat/completions") + bad.encode() + b"\n")
+    batch = c.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = _wait(c, batch.id, _done, timeout=60)
+    assert batch.status == "completed"
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 1)
+    assert [o["response"]["body"]["object"] for o in _output(c, batch.output_file_id)] == ["chat.completion"] * 3
+    [error] = _output(c, batch.error_file_id)
+    assert error["custom_id"] == "bad" and error["response"]["status_code"] == 404
+    assert error["error"]["code"] == "model_not_found"
+
+
+def test_cancel_stops_new_lines(batch_gateway):
+    c = client(batch_gateway)
+    uploaded = _upload(c, _jsonl(400, prefix="cancel"))
+    batch = c.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    _wait(c, batch.id, lambda b: b.status == "in_progress", timeout=30)
+    cancelling = c.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling"
+    batch = _wait(c, batch.id, _done, timeout=60)
+    assert batch.status == "cancelled" and batch.cancelled_at is not None
+    done = batch.request_counts.completed + batch.request_counts.failed
+    assert done < 400
+    output = _output(c, batch.output_file_id) if batch.output_file_id else []
+    assert len(output) == done and len({o["custom_id"] for o in output}) == done
+
+
+def test_another_tenant_gets_404_for_the_batch_and_its_files(batch_gateway):
+    alice, bob = client(batch_gateway, "alice"), client(batch_gateway, "bob")
+    uploaded = _upload(alice, _jsonl(2))
+    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    batch = _wait(alice, batch.id, _done, timeout=60)
+    for call in (lambda: bob.batches.retrieve(batch.id), lambda: bob.batches.cancel(batch.id),
+                 lambda: bob.files.retrieve(uploaded.id), lambda: bob.files.content(uploaded.id),
+                 lambda: bob.files.content(batch.output_file_id),
+                 lambda: bob.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                            completion_window="24h")):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.body["code"] == "not_found"
+    assert batch.id not in [b.id for b in bob.batches.list().data]
+    # ... and an unknown id gets the very same answer.
+    with pytest.raises(openai.NotFoundError):
+        bob.batches.retrieve("batch_" + "0" * 32)
+
+
+def _bad_request(call) -> dict:
+    with pytest.raises(openai.BadRequestError) as e:
+        call()
+    return e.value.body
+
+
+def test_bad_input_is_a_400_naming_the_field_or_line(batch_gateway):
+    c = client(batch_gateway)
+    assert _bad_request(lambda: _upload(c, _jsonl(1), purpose="fine-tune"))["param"] == "purpose"
+    too_large = _bad_request(lambda: _upload(c, b"x" * 300_000))
+    assert too_large["code"] == "file_too_large" and too_large["param"] == "file"
+    malformed = _bad_request(lambda: _upload(c, _jsonl(2) + b"{oops\n"))
+    assert malformed["message"].startswith("line 3: not valid JSON") and malformed["code"] == "invalid_batch_input"
+    duplicate = _bad_request(lambda: _upload(c, _jsonl(2) + _jsonl(1)))
+    assert duplicate["message"].startswith("line 3: custom_id 'req-0'") and duplicate["param"] == "custom_id"
+    url = _bad_request(lambda: _upload(c, _jsonl(1).replace(b"/v1/completions", b"/v1/embeddings")))
+    assert url["message"].startswith("line 1: url") and url["param"] == "url"
+    with pytest.raises(openai.NotFoundError) as e:
+        c.batches.create(input_file_id="file-" + "0" * 32, endpoint="/v1/completions", completion_window="24h")
+    assert e.value.body["param"] == "input_file_id"
+    uploaded = _upload(c, _jsonl(1))
+    mismatch = _bad_request(lambda: c.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                                     completion_window="24h"))
+    assert mismatch["message"].startswith("line 1: url")
+    window = _bad_request(lambda: c.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                                   completion_window="1h"))
+    assert window["param"] == "completion_window"
+
+
+@pytest.mark.parametrize("kind", ["redis", "directory"])
+def test_a_gateway_restart_loses_no_line_and_duplicates_none(tiny_llama, engine_pods, tmp_path, request, kind):
+    """The first gateway is killed (SIGKILL: no goodbye, its lease simply expires)
+    mid-batch; a second one on the same store resumes the batch."""
+    where = ({"redis_url": request.getfixturevalue("redis_server").url} if kind == "redis"
+             else {"directory": str(tmp_path / "store")})
+    store = {**where, "max_concurrency": 2}
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir()
+    second_dir.mkdir()
+    first = _gateway(tiny_llama, engine_pods, first_dir, store)
+    try:
+        c = client(first)
+        uploaded = _upload(c, _jsonl(120, prefix="restart"))
+        batch = c.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+        _wait(c, batch.id, lambda b: b.request_counts.completed >= 20, timeout=120)
+    finally:
+        first.proc.send_signal(signal.SIGKILL)
+        first.terminate()
+    second = _gateway(tiny_llama, engine_pods, second_dir, store)
+    try:
+        c = client(second)
+        midway = c.batches.retrieve(batch.id)
+        assert midway.status == "in_progress" and midway.request_counts.completed < 120
+        batch = _wait(c, batch.id, _done)
+        assert batch.status == "completed"
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (120, 0)
+        ids = [o["custom_id"] for o in _output(c, batch.output_file_id)]
+        assert ids == [f"restart-{i}" for i in range(120)]  # each exactly once, in order
+    finally:
+        second.terminate()
+
+
+def test_the_openapi_document_has_the_batch_routes(batch_gateway):
+    paths = httpx.get(batch_gateway.base_url + "/openapi.json").json()["paths"]
+    for path in ("/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/batches",
+                 "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel"):
+        assert path in paths
+    assert "404" in paths["/v1/batches/{batch_id}"]["get"]["responses"]
