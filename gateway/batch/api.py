@@ -34,6 +34,9 @@ _MAX_METADATA_KEYS = 16
 _MAX_METADATA_KEY_CHARS = 64
 _MAX_METADATA_VALUE_CHARS = 512
 _MAX_LIST_LIMIT = 100
+# An upload that has not arrived whole by then is refused: a client trickling
+# bytes holds no connection (nor its buffered part of the file) for ever.
+UPLOAD_DEADLINE_S = 300.0
 
 
 def not_found(what: str, ident: str, param: str) -> GatewayError:
@@ -69,16 +72,27 @@ def _upload_route(gateway: Gateway) -> type[APIRoute]:
     return UploadRoute
 
 
-async def _read_bounded(request: Request, limit: int) -> bytes:
+async def _read_bounded(request: Request, limit: int, deadline_s: float = UPLOAD_DEADLINE_S) -> bytes:
+    """The request's body, refused past ``limit`` bytes or ``deadline_s`` seconds."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), deadline_s)
+    except asyncio.TimeoutError:
+        raise GatewayError(408, grpc.StatusCode.DEADLINE_EXCEEDED, "invalid_request_error",
+                           f"file: the upload did not arrive within {deadline_s:.0f} s", "upload_timeout",
+                           "file") from None
     return b"".join(chunks)
 
 
