@@ -17,6 +17,7 @@ import yaml
 
 from gateway.tool_calls.parsers import parser_names
 from kv_store.block_hash import DEFAULT_BLOCK_SIZE
+from kv_store.redis_tier import check_key_prefix, check_redis_url
 from tessera.internal_channel import InternalTLS
 from tessera.lora import LORA_NAME_RE, LORA_NAME_RULE
 from tessera.roles import POD_ROLES
@@ -383,6 +384,12 @@ def _check_loras(model: ModelConfig) -> None:
 def _check_batch(batch: BatchConfig) -> None:
     _check(batch.directory is not None or batch.redis_url is not None,
            "batch: give a directory or a redis_url to keep files and batches in")
+    try:  # the KV store's checks: one home for what a Redis URL and a key prefix may be
+        if batch.redis_url is not None:
+            check_redis_url(batch.redis_url, "batch.redis_url")
+        check_key_prefix(batch.key_prefix, "batch.key_prefix")
+    except ValueError as e:
+        raise GatewayConfigError(str(e)) from None
     for name in ("max_concurrency", "max_file_bytes", "max_lines_per_file", "max_files_per_tenant",
                  "max_batches_per_tenant"):
         _check(getattr(batch, name) >= 1, f"batch.{name} must be >= 1")

@@ -101,7 +101,7 @@ class DirectSender:
         self._fallback = fallback
         self._make_client = client
         self._client: InternalClient | None = None
-        self._socket_tls: ssl.SSLContext | None = None
+        self._ssl_context: ssl.SSLContext | None = None
         self.config = config
         self._transfers: dict[str, _Transfer] = {}
         self._channels: OrderedDict[str, grpc.Channel] = OrderedDict()  # least recently used first
@@ -176,11 +176,10 @@ class DirectSender:
         opened = self._open_inbox(stub, transfer)
         if opened.port:
             host = transfer.target.rsplit(":", 1)[0].strip("[]")
-            tls = self._client.tls if self._client is not None else None
+            tls, server_name = self._socket_tls()
             try:
                 taken = push_blocks(host, opened.port, opened.ticket, self._signed_blocks(transfer),
-                                    self.config.timeout_s - (time.monotonic() - start), self._tls_context(),
-                                    tls.server_name if tls is not None else None)
+                                    self.config.timeout_s - (time.monotonic() - start), tls, server_name)
                 transfer.data_path = "socket"
                 return taken
             except InboxUnreachable as e:  # nothing sent yet (a policy drops the port?): gRPC carries it
@@ -202,13 +201,16 @@ class DirectSender:
         while (item := transfer.queue.get()) is not _END:
             yield item[0], self._sign(item[1])
 
-    def _tls_context(self) -> ssl.SSLContext | None:
-        """The socket's TLS: the pod's own certificate, as on its gRPC channels (None: plaintext)."""
+    def _socket_tls(self) -> tuple[ssl.SSLContext | None, str | None]:
+        """The socket's TLS and the name the peer's certificate must carry: the pod's
+        own certificate, as on its gRPC channels ((None, None): plaintext)."""
         with self._lock:
             tls = self._client.tls if self._client is not None else None
-            if tls is not None and self._socket_tls is None:
-                self._socket_tls = tls.ssl_context()
-            return self._socket_tls
+            if tls is None:
+                return None, None
+            if self._ssl_context is None:
+                self._ssl_context = tls.ssl_context()
+            return self._ssl_context, tls.server_name
 
     def _messages(self, transfer: _Transfer) -> Iterator[pb.PushKVBlocksRequest]:
         """The transfer's blocks as they are queued, signed and batched (what

@@ -67,12 +67,12 @@ class RedisTierConfig:
     key_file: str | None = None
 
     def __post_init__(self) -> None:
-        _check_url(self.url)
+        check_redis_url(self.url)
         if self.ttl_seconds < 1:
             raise ValueError(f"kv_redis_ttl must be >= 1 second, got {self.ttl_seconds}")
         if self.timeout_seconds <= 0:
             raise ValueError("kv_redis_timeout must be positive")
-        _check_key_prefix(self.key_prefix)
+        check_key_prefix(self.key_prefix)
         self._check_tls()
 
     def _check_tls(self) -> None:
@@ -106,24 +106,26 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{rest}"
 
 
-def _check_url(url: str) -> None:
+def check_redis_url(url: str, name: str = "kv_redis_url") -> None:
+    """ValueError naming ``name`` unless ``url`` is a Redis URL (the message never shows its credentials)."""
     if not isinstance(url, str) or not url.startswith(_SCHEMES):
         scheme = url.partition("://")[0] if isinstance(url, str) and "://" in url else None
         got = f"scheme {scheme!r}" if scheme is not None and scheme.isalnum() else "a value without one"
-        raise ValueError(f"kv_redis_url must start with redis://, rediss:// or unix://, got {got}")
+        raise ValueError(f"{name} must start with redis://, rediss:// or unix://, got {got}")
     try:
         redis.connection.parse_url(url)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
     except ValueError:
         # parse_url's own message may quote parts of the URL.
-        raise ValueError(f"kv_redis_url {redact_url(url)} is not a valid Redis URL") from None
+        raise ValueError(f"{name} {redact_url(url)} is not a valid Redis URL") from None
 
 
-def _check_key_prefix(prefix: str) -> None:
+def check_key_prefix(prefix: str, name: str = "kv_redis_key_prefix") -> None:
+    """ValueError naming ``name`` unless ``prefix`` can head a Redis ACL key pattern."""
     if not isinstance(prefix, str) or not prefix:
-        raise ValueError("kv_redis_key_prefix must be a non-empty string")
+        raise ValueError(f"{name} must be a non-empty string")
     if len(prefix) > 200 or not prefix.isprintable() or any(c.isspace() or c in _GLOB_CHARS for c in prefix):
         raise ValueError(
-            f"kv_redis_key_prefix {prefix[:200]!r} must be at most 200 printable characters without spaces or "
+            f"{name} {prefix[:200]!r} must be at most 200 printable characters without spaces or "
             "glob characters (* ? [ ] \\): a Redis ACL pattern is the prefix followed by *")
 
 

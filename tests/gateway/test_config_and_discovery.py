@@ -38,11 +38,26 @@ def test_defaults_and_nested_overrides():
     ({"server": {"keep_alive_s": 0}}, "server.keep_alive_s must be > 0"),
     ({"pods": {"kubernetes": {"namespace": "ml", "services": ["a", "b"]}}},
      "pods.kubernetes.services: expected a mapping of names to names"),
+    ({"batch": {}}, "batch: give a directory or a redis_url"),
+    ({"batch": {"redis_url": "http://:s3cret@h:1"}}, "batch.redis_url must start with redis://"),
+    ({"batch": {"directory": "/d", "key_prefix": "tessera:*"}}, "batch.key_prefix 'tessera:"),
+    ({"batch": {"directory": "/d", "max_concurrency": 0}}, "batch.max_concurrency must be >= 1"),
+    ({"batch": {"directory": "/d", "max_file_bytes": -1}}, "batch.max_file_bytes must be >= 1"),
+    ({"batch": {"directory": "/d", "lease_s": 0}}, "batch.lease_s must be > 0"),
+    ({"batch": {"directory": "/d", "retry_interval_s": float("nan")}}, "batch.retry_interval_s must be > 0"),
+    ({"model": {"name": "m", "path": "/p", "tool_call_parser": "mistral"}},
+     "model.tool_call_parser: unknown tool-call parser 'mistral'"),
 ])
 def test_bad_configs_name_the_field(change, message):
     with pytest.raises(GatewayConfigError, match=message.replace("(", r"\(").replace(")", r"\)")
                        .replace("[", r"\[").replace("]", r"\]")):
         gateway_config_from_dict({**BASE, **change})
+
+
+def test_a_bad_batch_redis_url_never_shows_its_password():
+    with pytest.raises(GatewayConfigError) as e:
+        gateway_config_from_dict({**BASE, "batch": {"redis_url": "redis://:s3cret@h:notaport/0"}})
+    assert "s3cret" not in str(e.value) and "batch.redis_url" in str(e.value)
 
 
 def test_load_yaml_file(tmp_path):
