@@ -145,6 +145,21 @@ def test_another_tenant_gets_404_for_the_batch_and_its_files(batch_gateway):
         bob.batches.retrieve("batch_" + "0" * 32)
 
 
+def test_every_batch_route_needs_an_api_key(batch_gateway):
+    """No key, or a wrong one: 401 on every route, before the body is read."""
+    uploaded = _upload(client(batch_gateway), _jsonl(1))
+    for key in ("", "sk-not-a-tenant"):
+        stranger = openai.OpenAI(base_url=batch_gateway.base_url + "/v1", api_key=key or "x", max_retries=0,
+                                 default_headers={} if key else {"Authorization": ""})
+        calls = (lambda c: _upload(c, _jsonl(1)), lambda c: c.files.retrieve(uploaded.id),
+                 lambda c: c.files.content(uploaded.id), lambda c: c.batches.list(),
+                 lambda c: c.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                            completion_window="24h"))
+        for call in calls:
+            with pytest.raises(openai.AuthenticationError):
+                call(stranger)
+
+
 def _bad_request(call) -> dict:
     with pytest.raises(openai.BadRequestError) as e:
         call()
