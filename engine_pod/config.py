@@ -101,6 +101,15 @@ class SchedulerConfig:
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     """fcfs: arrival order; priority: lower priority value first, then arrival
     (and preemption takes the highest value, latest arrival first)."""
+    background_priority: int | None = None
+    """Requests whose priority is at least this are background work (batch
+    jobs): they get nothing in a step while another request waits or
+    prefills, and otherwise at most background_max_batched_tokens
+    (engine_pod/core/background.py). None: every request is foreground.
+    Needs the priority policy."""
+    background_max_batched_tokens: int = 256
+    """Tokens all background requests together take in one step at most: how
+    much longer a step can be when an interactive request arrives behind it."""
 
     def __post_init__(self) -> None:
         self.policy = SchedulingPolicy(self.policy)
@@ -110,6 +119,21 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        self._check_background()
+
+    def _check_background(self) -> None:
+        limit = self.background_max_batched_tokens
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"background_max_batched_tokens must be a positive integer, got {limit!r}")
+        if self.background_priority is None:
+            return
+        if isinstance(self.background_priority, bool) or not isinstance(self.background_priority, int) \
+                or not -(2**31) <= self.background_priority < 2**31:  # a request's priority is an int32
+            raise ValueError(f"background_priority must be an integer in [-2**31, 2**31), "
+                             f"got {self.background_priority!r}")
+        if self.policy != SchedulingPolicy.PRIORITY:
+            raise ValueError("background_priority needs scheduling_policy 'priority' (under fcfs a "
+                             "background request at the head of the queue would hold back the others)")
 
 
 @dataclass
@@ -340,6 +364,8 @@ def create_engine_config(
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
     scheduling_policy: str = SchedulerConfig.policy.value,
+    background_priority: int | None = SchedulerConfig.background_priority,
+    background_max_batched_tokens: int = SchedulerConfig.background_max_batched_tokens,
     device: str | None = None,
     attention_backend: str = EngineConfig.attention_backend,
     seed: int = EngineConfig.seed,
@@ -409,6 +435,8 @@ def create_engine_config(
             max_model_len=model_len,
             long_prefill_token_threshold=long_prefill_token_threshold,
             policy=policy,
+            background_priority=background_priority,
+            background_max_batched_tokens=background_max_batched_tokens,
         ),
         device=dev,
         kv_store=kv_store,

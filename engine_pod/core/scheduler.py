@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from engine_pod.config import SchedulerConfig, SchedulingPolicy
+from engine_pod.core.background import BackgroundShare
 from engine_pod.core.kv_cache_block import KVCacheBlock
 from engine_pod.core.kv_cache_manager import KVCacheManager
 from engine_pod.core.kv_connector import KVConnectorScheduler
@@ -91,6 +92,7 @@ class Scheduler:
         # Requests whose adapter is being read into host memory, outside the waiting queue.
         self.waiting_for_lora: list[Request] = []
         self.spec_decode_stats = SpecDecodeStats()
+        self.background = BackgroundShare(config)
 
     # -- requests in and out ----------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -225,15 +227,17 @@ class Scheduler:
         scheduled_drafts: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
+        self.background.start_step(self.running, self.waiting.peek() if len(self.waiting) else None)
 
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
-            num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
+            limit = self.background.limit(request, budget)
+            num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, limit)
             if num_new <= 0:
                 idx += 1
                 continue
-            num_drafts = self._num_drafts_to_schedule(request, num_new, budget)
+            num_drafts = self._num_drafts_to_schedule(request, num_new, limit)
             while True:
                 blocks = self.kv_cache_manager.allocate_slots(request, num_new + num_drafts)
                 if blocks is not None:
@@ -247,7 +251,9 @@ class Scheduler:
                     # Preempting a request already given tokens this step hands
                     # its budget back.
                     scheduled_running.remove(victim)
-                    budget += num_scheduled.pop(victim.request_id)
+                    handed_back = num_scheduled.pop(victim.request_id)
+                    budget += handed_back
+                    self.background.took(victim, -handed_back)
                     new_blocks.pop(victim.request_id, None)
                     scheduled_drafts.pop(victim.request_id, None)
                 if self.running.index(victim) < idx:
@@ -268,13 +274,14 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             new_blocks[request.request_id] = [b.block_id for b in blocks]
             budget -= num_new
+            self.background.took(request, num_new)
             idx += 1
 
         scheduled_new: list[Request] = []
         # After a preemption the pool is under pressure: admitting waiting
         # requests would only cause more preemptions.
         if not preempted:
-            budget = self._schedule_waiting(budget, num_scheduled, scheduled_new)
+            budget = self._schedule_waiting(budget, num_scheduled, scheduled_new, scheduled_running, preempted)
 
         output = build_scheduler_output(
             self.kv_cache_manager, scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted,
@@ -329,15 +336,17 @@ class Scheduler:
         return num_drafts
 
     def _schedule_waiting(
-        self, budget: int, num_scheduled: dict[str, int], scheduled_new: list[Request]
+        self, budget: int, num_scheduled: dict[str, int], scheduled_new: list[Request],
+        scheduled_running: list[Request], preempted: list[Request],
     ) -> int:
         # Requests passed over because their adapter would need one slot too
         # many; they keep their place in the queue.
         skipped: list[Request] = []
         while len(self.waiting) and budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
-                break
             request = self.waiting.peek()
+            if len(self.running) >= self.config.max_num_seqs and not self._preempt_background_for(
+                    request, scheduled_running, preempted):
+                break
             if self.lora_slots is not None and not self.lora_slots.fits(request, self.running):
                 skipped.append(self.waiting.pop())
                 continue
@@ -349,10 +358,12 @@ class Scheduler:
                 if self.connector is not None:
                     loaded = self.connector.match(request, num_hit_tokens)
             num_computed = num_hit_tokens + len(loaded) * self.block_size
-            num_new = self._num_tokens_to_schedule(request, num_computed, budget)
+            num_new = self._num_tokens_to_schedule(request, num_computed, self.background.limit(request, budget))
             if num_new <= 0:
                 break
             blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_computed)
+            while blocks is None and self._preempt_background_for(request, scheduled_running, preempted):
+                blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_computed)
             if blocks is None:
                 break
             if request.num_computed_tokens == 0:
@@ -372,6 +383,7 @@ class Scheduler:
             scheduled_new.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            self.background.took(request, num_new)
         for request in reversed(skipped):
             self.waiting.prepend(request)
         return budget
@@ -380,6 +392,20 @@ class Scheduler:
         if self.connector is not None:
             blocks = self.kv_cache_manager.req_to_blocks[request.request_id]
             self.connector.on_scheduled(request, blocks, num_computed, num_new)
+
+    def _preempt_background_for(self, request: Request, scheduled_running: list[Request],
+                                preempted: list[Request]) -> bool:
+        """Make room for a waiting foreground request by preempting one
+        background request not scheduled this step; False if there is none
+        (or `request` is background itself)."""
+        if self.background.is_background(request):
+            return False
+        victim = self.background.victim(self.running, scheduled_running)
+        if victim is None:
+            return False
+        self._preempt(victim)
+        preempted.append(victim)
+        return True
 
     def _pick_victim(self) -> Request:
         if self.config.policy == SchedulingPolicy.PRIORITY:

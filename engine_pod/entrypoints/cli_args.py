@@ -41,6 +41,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     # Prefix caching is on by default (CacheConfig.enable_prefix_caching): the flag turns it off.
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--scheduling-policy", default=sched.policy.value, choices=[p.value for p in SchedulingPolicy])
+    g.add_argument("--background-priority", type=int, default=sched.background_priority,
+                   help="requests of this priority or above (batch jobs) run only on capacity the others leave "
+                        "idle: nothing while another request waits or prefills (needs --scheduling-policy priority)")
+    g.add_argument("--background-max-batched-tokens", type=int, default=sched.background_max_batched_tokens,
+                   help="tokens background requests take in one step at most, all together")
     g.add_argument("--attention-backend", default=EngineConfig.attention_backend, choices=ATTENTION_BACKENDS,
                    help="auto: triton on CUDA when it supports the model, else torch; triton on CPU needs "
                         "TRITON_INTERPRET=1 (slow, for tests)")
@@ -97,6 +102,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
         scheduling_policy=args.scheduling_policy,
+        background_priority=args.background_priority,
+        background_max_batched_tokens=args.background_max_batched_tokens,
         attention_backend=args.attention_backend,
         kv_host_bytes=args.kv_host_bytes,
         kv_redis_url=args.kv_redis_url or os.environ.get(REDIS_URL_ENV) or None,

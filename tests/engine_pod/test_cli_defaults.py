@@ -34,6 +34,8 @@ FIELD_OF_KWARG = {
     "max_num_seqs": (SchedulerConfig, "max_num_seqs"),
     "long_prefill_token_threshold": (SchedulerConfig, "long_prefill_token_threshold"),
     "scheduling_policy": (SchedulerConfig, "policy"),
+    "background_priority": (SchedulerConfig, "background_priority"),
+    "background_max_batched_tokens": (SchedulerConfig, "background_max_batched_tokens"),
     "attention_backend": (EngineConfig, "attention_backend"),
     "speculative_config": (EngineConfig, "speculative"),
     "tensor_parallel_size": (ParallelConfig, "tensor_parallel_size"),

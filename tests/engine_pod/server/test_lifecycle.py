@@ -99,6 +99,8 @@ def test_queue_bound_answers_resource_exhausted(tiny_llama, tmp_path):
     ("--kv-inbox-bytes", "-1", "kv_inbox_bytes"),
     ("--kv-direct-timeout", "0", "kv_direct_timeout_s"),
     ("--kv-redis-timeout", "nan", "kv_redis_timeout"),
+    ("--background-priority", "20", "background_priority"),  # without --scheduling-policy priority
+    ("--background-max-batched-tokens", "0", "background_max_batched_tokens"),
     ("--cpu-threads", "-1", "cpu_threads"),
     ("--step-timeout", "-1", "step_timeout"),
     ("--health-port", "50061", "health_port"),  # the default --grpc-port
