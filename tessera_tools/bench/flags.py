@@ -61,6 +61,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
 def positive_int_list(text: str) -> list[int]:
     """"1,8,32" -> [1, 8, 32]; every value >= 1."""
     try:

@@ -16,12 +16,28 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tessera_tools.bench.flags import add_logs_arg, cpu_list, non_negative_int, positive_float, positive_int
+from tessera_tools.bench.flags import (
+    add_logs_arg,
+    cpu_list,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 
 def _run(args: argparse.Namespace) -> int:
     # aiohttp, transformers: only when the command runs.
-    if args.peer:
+    if args.background_batch:
+        if args.peer:
+            print("error: --background-batch measures one platform: drop --peer", file=sys.stderr)
+            return 2
+        if bool(args.base_url) == bool(args.serve_model):
+            print("error: --background-batch needs --base-url (a gateway with the Batch API on) or "
+                  "--serve-model (the command starts one), not both", file=sys.stderr)
+            return 2
+        from tessera_tools.bench.serve.background import main
+    elif args.peer:
         if args.base_url:
             print("error: --peer vllm starts both servers itself: drop --base-url", file=sys.stderr)
             return 2
@@ -84,7 +100,28 @@ def add_parser(kinds) -> None:
     out.add_argument("--plot-dir", default=None, help="write PNG plots here")
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     _add_peer_args(p)
+    _add_background_args(p)
     p.set_defaults(bench_func=_run)
+
+
+def _add_background_args(p: argparse.ArgumentParser) -> None:
+    from engine_pod.config import SchedulerConfig
+
+    bg = p.add_argument_group("background batch: interactive latency with a batch job running (docs/batch.md)")
+    bg.add_argument("--background-batch", type=non_negative_int, default=0, metavar="LINES",
+                    help="per rate, run the interactive requests alone and with a batch of this many lines "
+                         "running (the Batch API), turn about; --rounds, --cooldown apply")
+    bg.add_argument("--background-max-tokens", type=positive_int, default=128, help="output tokens of each batch line")
+    bg.add_argument("--background-warmup", type=non_negative_float, default=5.0,
+                    help="seconds the batch runs before the interactive requests start")
+    bg.add_argument("--background-concurrency", type=positive_int, default=8,
+                    help="--serve-model: the gateway's batch.max_concurrency (batch lines in flight)")
+    bg.add_argument("--background-max-batched-tokens", type=positive_int,
+                    default=SchedulerConfig.background_max_batched_tokens,
+                    help="--serve-model: the engine's --background-max-batched-tokens")
+    bg.add_argument("--no-background-yield", action="store_true",
+                    help="--serve-model: start the engine without --background-priority (batch lines are "
+                         "only lower-priority requests), to see what yielding buys")
 
 
 def _add_peer_args(p: argparse.ArgumentParser) -> None:

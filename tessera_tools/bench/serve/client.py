@@ -86,6 +86,12 @@ class ServeClient:
                 raise RuntimeError(f"GET {self.base_url}/models: HTTP {resp.status}: {text[:300]}{hint}")
         return [m["id"] for m in json.loads(text).get("data", [])]
 
+    async def call(self, method: str, path: str, **kwargs) -> tuple[int, bytes]:
+        """A plain (non-streamed) call under the API root: its status and body.
+        kwargs go to aiohttp (json=..., data=... for a multipart form)."""
+        async with self._session.request(method, self.base_url + path, **kwargs) as resp:
+            return resp.status, await resp.read()
+
     async def send(self, target: Target, request: ServeRequest, max_tokens: int | None = None,
                    recorder: StreamRecorder | None = None) -> RequestOutcome:
         """One streamed request, timed from the moment it is sent; a caller
