@@ -151,17 +151,29 @@ class Scheduler:
         """Requests not yet running, those whose grammar compiles or adapter loads included."""
         return len(self.waiting) + len(self.waiting_for_fsm) + len(self.waiting_for_lora)
 
+    def _unfinished(self) -> Iterable[Request]:
+        return itertools.chain(self.running, self.waiting, self.waiting_for_fsm, self.waiting_for_lora)
+
+    def num_waiting_foreground(self) -> int:
+        """Waiting requests a new interactive one would queue behind: background
+        ones yield to it, so they are left out (all of them count without a
+        background class)."""
+        if self.background.threshold is None:
+            return self.num_waiting
+        queued = itertools.chain(self.waiting, self.waiting_for_fsm, self.waiting_for_lora)
+        return sum(not self.background.is_background(r) for r in queued)
+
     def num_pending_prefill_tokens(self) -> int:
         """Tokens the pod must still compute before its requests decode: the
         uncomputed tokens of each request (prompt, and after a preemption its
         output too) beyond the one a decoding request computes per step.
         Prefix-cache hits of waiting requests are not known before they are
-        scheduled, so they count in full. The gateway weighs this backlog
-        against a prompt's cached prefix."""
+        scheduled, so they count in full. Background requests' are left out:
+        they wait for the rest. The gateway weighs this backlog against a
+        prompt's cached prefix."""
         def pending(r: Request) -> int:
             return max(0, r.num_tokens - 1 - r.num_computed_tokens)
-        queued = itertools.chain(self.running, self.waiting, self.waiting_for_fsm, self.waiting_for_lora)
-        return sum(pending(r) for r in queued)
+        return sum(pending(r) for r in self._unfinished() if not self.background.is_background(r))
 
     @property
     def _grammars(self) -> StructuredOutputManager:

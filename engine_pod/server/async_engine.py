@@ -60,6 +60,8 @@ class LoadSnapshot:
     num_free_blocks: int = 0
     kv_cache_usage: float = 0.0
     num_pending_prefill_tokens: int = 0
+    num_waiting_foreground: int = 0
+    """Waiting requests other than background ones (Scheduler.num_waiting_foreground)."""
 
 
 class EngineDeadError(RuntimeError):
@@ -216,5 +218,5 @@ class AsyncEngine:
         pool = scheduler.kv_cache_manager.block_pool
         self.snapshot = LoadSnapshot(
             len(scheduler.running), scheduler.num_waiting, pool.get_num_free_blocks(), pool.get_usage(),
-            scheduler.num_pending_prefill_tokens(),
+            scheduler.num_pending_prefill_tokens(), scheduler.num_waiting_foreground(),
         )

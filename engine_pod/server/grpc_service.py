@@ -251,7 +251,8 @@ class EngineService(pb_grpc.EngineServicer):
         return pb.LoadReport(
             role=self.role,
             num_running=snap.num_running,
-            num_waiting=snap.num_waiting,
+            # What the gateway weighs a pod by: background requests yield to the ones it routes.
+            num_waiting=snap.num_waiting_foreground,
             kv_cache_usage=snap.kv_cache_usage,
             num_pending_prefill_tokens=self.engine.num_pending_prefill_tokens(),
             num_kv_blocks=core.num_blocks,

@@ -152,6 +152,18 @@ def test_random_mixed_load_keeps_the_background_rules(seed):
     assert_no_leak(sched)
 
 
+def test_the_load_the_gateway_sees_leaves_background_requests_out():
+    sched = bg_sched(max_num_batched_tokens=8, max_num_seqs=1)
+    sched.add_request(make_req("chat", 6, max_tokens=4, priority=10))
+    sched.add_request(make_req("batch", 30, max_tokens=4, priority=BG, arrival=1.0))
+    sched.add_request(make_req("other-chat", 5, max_tokens=4, priority=0, arrival=2.0))
+    assert (sched.num_waiting, sched.num_waiting_foreground()) == (3, 2)
+    assert sched.num_pending_prefill_tokens() == 5 + 4  # the chat prompts, less the token each decodes first
+    plain = make_sched(policy="priority")
+    plain.add_request(make_req("batch", 30, max_tokens=4, priority=BG))
+    assert (plain.num_waiting_foreground(), plain.num_pending_prefill_tokens()) == (1, 29)
+
+
 @pytest.mark.parametrize("cfg, message", [
     ({"background_priority": 5}, "needs scheduling_policy 'priority'"),
     ({"background_priority": True, "policy": "priority"}, "background_priority must be an integer"),
