@@ -79,7 +79,7 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
-class SchedulingPolicy(str, enum.Enum):
+class SchedulingPolicy(str, enum.Enum):  # noqa: UP042 - str() of a member stays its repr-like name, as before
     """The order in which waiting requests are admitted, and who is preempted first."""
 
     FCFS = "fcfs"

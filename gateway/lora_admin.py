@@ -193,7 +193,7 @@ async def _one(pod: Pod, call, timeout: float) -> PodOutcome:
     except grpc.aio.AioRpcError as e:
         status, _ = _HTTP_OF.get(e.code(), _OTHER)
         return PodOutcome(pod.address, pod.role, status, e.code().name, (e.details() or "")[:_MAX_POD_MESSAGE])
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return PodOutcome(pod.address, pod.role, 504, "DEADLINE_EXCEEDED", "no answer in time")
     except Exception as e:  # a channel closing as the pod leaves the pool, say: that pod failed, not the call
         return PodOutcome(pod.address, pod.role, _OTHER[0], "UNKNOWN", type(e).__name__)

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from gateway.batch.runner import BatchRunner
+from gateway.batch.signing import batch_mac_key
 from gateway.batch.store import BatchStore, open_store
 from gateway.config import GatewayConfig, GatewayConfigError, InternalConfig, load_gateway_config
 from gateway.grpc_service import InferenceService
@@ -135,8 +136,14 @@ async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
     logger.info("gateway: REST on %s:%d, gRPC on %s, model %s", config.server.host, config.server.http_port,
                 address, config.model.name)
     loop = asyncio.get_running_loop()
+
+    def on_stop_signal() -> None:
+        http.request_exit()
+        if batch_runner is not None:
+            batch_runner.begin_drain()  # batch lines in flight drain alongside the HTTP requests
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, http.request_exit)
+        loop.add_signal_handler(sig, on_stop_signal)
     try:
         await http.serve()  # returns after SIGINT/SIGTERM, once in-flight HTTP requests finish
     finally:
@@ -147,7 +154,8 @@ async def serve(config: GatewayConfig, drain_timeout: float = 30.0) -> None:
         if watcher is not None:
             watcher.stop()
         if batch_runner is not None:
-            await batch_runner.stop()  # lines in flight are run again by whoever resumes the batch
+            # Lines still in flight when the drain time is up are run again by whoever resumes the batch.
+            await batch_runner.stop(grace_s=drain_timeout)
             await batch_store.close()
         await gateway.close()
         if metrics_server is not None:
@@ -159,7 +167,8 @@ def _batch_api(config: GatewayConfig, gateway: Gateway) -> tuple[BatchStore | No
     if config.batch is None:
         return None, None
     try:
-        store = open_store(config.batch)
+        client = gateway.pool.client  # holds the internal secret (build_gateway): its key signs the records
+        store = open_store(config.batch, batch_mac_key(client.secret if client is not None else None))
         return store, BatchRunner(gateway, store, config.batch)
     except (ValueError, OSError) as e:
         raise GatewayConfigError(f"batch: {e}") from None

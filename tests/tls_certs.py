@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 from pathlib import Path
 
 
@@ -15,7 +15,7 @@ def write_test_certs(folder: Path, server_name: str) -> dict[str, str]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
 
     def issue(cn, issuer=None, *, usage=None, dns=None):
         key = ec.generate_private_key(ec.SECP256R1())

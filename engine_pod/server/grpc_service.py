@@ -182,7 +182,7 @@ class EngineService(pb_grpc.EngineServicer):
         bound = store.sender.config.timeout_s * 2 + 10  # the push's deadline, then the fallback's write
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(future), bound)
-        except (asyncio.TimeoutError, concurrent.futures.CancelledError):
+        except (TimeoutError, concurrent.futures.CancelledError):
             logger.warning("request %s: its KV push did not finish within %.0f s", request_id, bound)
             return
         span.set_attributes({"tessera.kv_transfer.channel": result.channel,
@@ -204,7 +204,7 @@ class EngineService(pb_grpc.EngineServicer):
                 message = await asyncio.wait_for(messages.__anext__(), max(wait, 0.0))
             except StopAsyncIteration:
                 break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"push abandoned: no KV block for {PUSH_LIMITS.idle_timeout_s:.0f} s, "
                                     f"or longer than {PUSH_LIMITS.max_transfer_s:.0f} s in all")

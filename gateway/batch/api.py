@@ -2,6 +2,7 @@
 
 Every file and batch belongs to the tenant that made it: another tenant's id
 is answered exactly like an unknown one (404), so nobody learns what exists.
+A file that a batch still running reads cannot be deleted (409).
 """
 
 from __future__ import annotations
@@ -12,19 +13,20 @@ import email.policy
 import json
 import time
 import uuid
+from typing import Annotated
 
 import grpc
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.batch.input_file import BATCH_ENDPOINTS, parse_input
 from gateway.batch.records import batch_json, new_batch, new_file_record, visible_status
-from gateway.batch.store import BATCH_ID_RE, FILE_ID_RE, BatchStore
+from gateway.batch.store import BATCH_ID_RE, FILE_ID_RE, FINAL_STATUSES, BatchStore
 from gateway.errors import GatewayError, bad_request
 from gateway.openai_api.checks import authenticated_route, endpoint_label
-from gateway.openai_api.protocol import error_responses
+from gateway.openai_api.protocol import ErrorResponse, error_responses
 from gateway.serving import Gateway
 
 # The multipart form's own bytes (boundaries, headers, the purpose field) beside the file's.
@@ -34,6 +36,10 @@ _MAX_METADATA_KEYS = 16
 _MAX_METADATA_KEY_CHARS = 64
 _MAX_METADATA_VALUE_CHARS = 512
 _MAX_LIST_LIMIT = 100
+_DEFAULT_LIST_LIMIT = 20
+# What GET /v1/files may filter on: the purposes this API gives files.
+_FILE_PURPOSES = ("batch", "batch_output")
+_LIST_ORDERS = ("asc", "desc")
 # An upload that has not arrived whole by then is refused: a client trickling
 # bytes holds no connection (nor its buffered part of the file) for ever.
 UPLOAD_DEADLINE_S = 300.0
@@ -43,6 +49,18 @@ def not_found(what: str, ident: str, param: str) -> GatewayError:
     """An unknown id, or another tenant's: one answer for both."""
     return GatewayError(404, grpc.StatusCode.NOT_FOUND, "invalid_request_error", f"No such {what}: {ident[:64]!r}",
                         "not_found", param)
+
+
+def conflict(message: str, param: str | None) -> GatewayError:
+    """The request is well formed but the resource's state refuses it (a file a running batch reads)."""
+    return GatewayError(409, grpc.StatusCode.FAILED_PRECONDITION, "invalid_request_error", message, "conflict", param)
+
+
+def _with_conflict(*statuses: int) -> dict:
+    """`error_responses` and a 409, which only the Batch API answers."""
+    return {**error_responses(*statuses),
+            409: {"model": ErrorResponse, "description": "A file that a batch not yet in a final status uses as its "
+                                                         "input; the message names the batch"}}
 
 
 class CreateBatchRequest(BaseModel):
@@ -89,7 +107,7 @@ async def _read_bounded(request: Request, limit: int, deadline_s: float = UPLOAD
 
     try:
         await asyncio.wait_for(read(), deadline_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise GatewayError(408, grpc.StatusCode.DEADLINE_EXCEEDED, "invalid_request_error",
                            f"file: the upload did not arrive within {deadline_s:.0f} s", "upload_timeout",
                            "file") from None
@@ -134,6 +152,41 @@ def _json(record: dict) -> Response:
     return Response(json.dumps(record), media_type="application/json")
 
 
+def _list_limit(raw: str | None) -> int:
+    """A list's `limit` query parameter: 1 to 100, default 20. Read here, not by FastAPI, so that a
+    value that is not a number is a 400 naming `limit` like one out of range."""
+    if raw is None:
+        return _DEFAULT_LIST_LIMIT
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= _MAX_LIST_LIMIT:
+        raise bad_request(f"limit: must be an integer in [1, {_MAX_LIST_LIMIT}]", "invalid_value", "limit")
+    return limit
+
+
+def _page(records: list[dict], after: str | None, limit: int) -> dict:
+    """OpenAI's list object: the `limit` records after the one whose id is `after` (an id not in
+    the list: an empty page, as for an id deleted since the previous page)."""
+    if after is not None:
+        ids = [r["id"] for r in records]
+        records = records[ids.index(after) + 1:] if after in ids else []
+    data = records[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(records) > limit}
+
+
+def _check_file_list_query(purpose: str | None, after: str | None, order: str) -> None:
+    if purpose is not None and purpose not in _FILE_PURPOSES:
+        raise bad_request(f"purpose: {purpose[:64]!r} is not a purpose of this API's files; use "
+                          f"{' or '.join(_FILE_PURPOSES)}", "invalid_value", "purpose")
+    if after is not None and not FILE_ID_RE.match(after):
+        raise bad_request("after: not a file id (the last_id of the previous page)", "invalid_value", "after")
+    if order not in _LIST_ORDERS:
+        raise bad_request(f"order: {order[:16]!r} is not supported; use asc or desc", "invalid_value", "order")
+
+
 def batch_router(gateway: Gateway, store: BatchStore) -> APIRouter:
     config = gateway.config.batch
     v1 = APIRouter(route_class=authenticated_route(gateway))
@@ -175,9 +228,39 @@ def batch_router(gateway: Gateway, store: BatchStore) -> APIRouter:
         await store.put_file(tenant, record, content)
         return _json(record)
 
+    @v1.get("/v1/files", responses=error_responses(400, 401, 500))
+    async def list_files(request: Request, purpose: str | None = None,
+                         limit: Annotated[str | None, Query(description="1 to 100 (default 20)")] = None,
+                         after: str | None = None, order: str = "desc"):
+        """The API key's files, newest first (`order=asc`: oldest first), `purpose` alone if given."""
+        page_size = _list_limit(limit)
+        _check_file_list_query(purpose, after, order)
+        records = await store.list_files(request.state.tenant.name)  # newest first
+        if order == "asc":
+            records.reverse()
+        if purpose is not None:
+            records = [r for r in records if r["purpose"] == purpose]
+        return _json(_page(records, after, page_size))
+
     @v1.get("/v1/files/{file_id}", responses=error_responses(400, 401, 404, 500))
     async def retrieve_file(file_id: str, request: Request):
         return _json(await own_file(request, file_id))
+
+    @v1.delete("/v1/files/{file_id}", responses=_with_conflict(400, 401, 404, 500))
+    async def delete_file(file_id: str, request: Request):
+        """Delete the file's record and bytes (its quota place is free again); refused (409) while a batch
+        that is not in a final status uses it as its input."""
+        tenant = request.state.tenant.name
+        await own_file(request, file_id)
+        # A batch created between this check and the delete finds its input gone and ends failed.
+        user = next((b for b in await store.list_batches(tenant)
+                     if b["input_file_id"] == file_id and b["status"] not in FINAL_STATUSES), None)
+        if user is not None:
+            raise conflict(f"file_id: batch {user['id']} ({user['status']}) uses this file as its input; cancel the "
+                           "batch or wait until it ends", "file_id")
+        if not await store.delete_file(tenant, file_id):
+            raise not_found("file", file_id, "file_id")  # deleted meanwhile by another request
+        return _json({"id": file_id, "object": "file", "deleted": True})
 
     @v1.get("/v1/files/{file_id}/content", responses=error_responses(400, 401, 404, 500))
     async def file_content(file_id: str, request: Request):
@@ -201,7 +284,9 @@ def batch_router(gateway: Gateway, store: BatchStore) -> APIRouter:
             raise not_found("file", body.input_file_id, "input_file_id")
         if record["purpose"] != "batch":
             raise bad_request("input_file_id: the file's purpose is not \"batch\"", "invalid_value", "input_file_id")
-        content = await store.file_content(tenant, body.input_file_id) or b""
+        content = await store.file_content(tenant, body.input_file_id)
+        if content is None:  # deleted meanwhile, or its bytes do not verify (store.py)
+            raise not_found("file", body.input_file_id, "input_file_id")
         # Every line on the batch's endpoint.
         await asyncio.to_thread(parse_input, content, config.max_lines_per_file, body.endpoint)
         if len(await store.list_batches(tenant)) >= config.max_batches_per_tenant:
@@ -217,17 +302,12 @@ def batch_router(gateway: Gateway, store: BatchStore) -> APIRouter:
         return _json(batch_json(record, await store.cancel_requested(batch_id)))
 
     @v1.get("/v1/batches", responses=error_responses(400, 401, 500))
-    async def list_batches(request: Request, limit: int = 20, after: str | None = None):
-        if not 1 <= limit <= _MAX_LIST_LIMIT:
-            raise bad_request(f"limit: must be in [1, {_MAX_LIST_LIMIT}]", "invalid_value", "limit")
+    async def list_batches(request: Request,
+                           limit: Annotated[str | None, Query(description="1 to 100 (default 20)")] = None,
+                           after: str | None = None):
+        page_size = _list_limit(limit)
         records = await store.list_batches(request.state.tenant.name)
-        if after is not None:
-            ids = [r["id"] for r in records]
-            records = records[ids.index(after) + 1:] if after in ids else []
-        page = records[:limit]
-        data = [batch_json(r) for r in page]
-        return _json({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                      "last_id": data[-1]["id"] if data else None, "has_more": len(records) > limit})
+        return _json(_page([batch_json(r) for r in records], after, page_size))
 
     @v1.post("/v1/batches/{batch_id}/cancel", responses=error_responses(400, 401, 404, 500))
     async def cancel_batch(batch_id: str, request: Request):

@@ -62,13 +62,32 @@ class BatchRunner:
         self._slots = asyncio.Semaphore(config.max_concurrency)
         self._running: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
+        # Set when the gateway is asked to stop: no batch is claimed and no line started after it.
+        self.draining = False
+        self._drain_started = 0.0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._poll())
 
-    async def stop(self) -> None:
-        """Stop at once: lines in flight are abandoned without a result (a later
-        runner runs them again) and the leases are given up."""
+    def begin_drain(self) -> None:
+        """Start no more lines (the gateway is stopping); those in flight go on."""
+        if not self.draining:
+            self.draining = True
+            self._drain_started = time.monotonic()
+            if self._task is not None:
+                self._task.cancel()
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        """Drain, then stop: lines in flight get until `grace_s` after the drain
+        began to end and store their results; any still running then are
+        abandoned without one (whoever resumes the batch runs them again), and
+        the leases are given up. A drained batch keeps its status: it is not
+        finished, only paused until a runner claims it again."""
+        self.begin_drain()
+        runs = list(self._running.values())
+        left = self._drain_started + grace_s - time.monotonic()
+        if runs and left > 0:
+            await asyncio.wait(runs, timeout=left)
         tasks = [t for t in (self._task, *self._running.values()) if t is not None]
         for task in tasks:
             task.cancel()
@@ -129,6 +148,10 @@ class BatchRun:
     async def update(self, **changes) -> dict:
         """The record re-read and changed in these fields only (a cancel's cancelling_at stays)."""
         record = await self.store.get_batch(self.tenant_name, self.batch_id)
+        if record is None:
+            # Deleted, or altered by a writer without the key (store.py: it no longer verifies): the
+            # run stops here; the next runner to claim the batch finds no record and drops it.
+            raise LookupError(f"batch {self.batch_id}: its record is gone or does not verify")
         record.update(changes)
         await self.store.put_batch(self.tenant_name, record)
         if record["status"] in FINAL_STATUSES:
@@ -165,9 +188,12 @@ class BatchRun:
         try:
             for line in pending:
                 stopped = await self._why_stop(record)
-                if stopped or self.lost.is_set():
+                if stopped or self._paused():
                     break
                 await self.runner._slots.acquire()
+                if self._paused():  # the drain began while this line waited for a slot
+                    self.runner._slots.release()
+                    break
                 task = asyncio.create_task(self._run_line(tenant, line, record["expires_at"], counts))
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
@@ -180,10 +206,14 @@ class BatchRun:
             for task in list(in_flight):
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
-        if self.lost.is_set():
-            return
+        if self._paused():
+            return  # not finished: the lines without a result run when a runner claims the batch again
         stopped = stopped or await self._why_stop(record)
         await self._finish(lines, stopped)
+
+    def _paused(self) -> bool:
+        """The lease is lost or the gateway drains: start no line, finish nothing."""
+        return self.lost.is_set() or self.runner.draining
 
     async def _why_stop(self, record: dict) -> str | None:
         if await self.store.cancel_requested(self.batch_id):

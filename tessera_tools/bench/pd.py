@@ -222,7 +222,7 @@ def main(args: argparse.Namespace) -> int:
                                               "requests", "rate", "concurrency", "rounds", "warmup", "tp", "modes",
                                               "min_uncached_tokens", "threads_per_rank", "kv_cache_mib", "redis_mib",
                                               "kv_redis_timeout", "inbox_mib", "max_num_batched_tokens", "seed")}
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "settings": {**settings, "rate": "inf" if math.isinf(args.rate) else args.rate,
                            "goodput_slos_ms": dict(args.goodput)},
               "logs": str(work), "results": by_tp, "problems": problems}

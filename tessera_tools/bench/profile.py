@@ -115,7 +115,7 @@ def _cpu_model() -> str:
 def _source(args: argparse.Namespace, llm: LLM) -> str:
     import torch
 
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     return (f"tessera bench profile: model {Path(args.model).name} ({args.model}), dtype {llm.config.model.dtype}, "
             f"device {llm.config.device}, CPU {_cpu_model()} ({torch.get_num_threads()} torch threads), "
             f"budgets {','.join(map(str, args.budgets))}, seed {args.seed}, {date}")

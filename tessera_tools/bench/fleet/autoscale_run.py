@@ -232,7 +232,7 @@ def main(args: argparse.Namespace) -> int:
     order = rotated(FLEETS, args.seed)
     runs = _run_all(args, scenario, fleet_runs(args, policies), order)
     notes = limits(args.disaggregated)
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "scenario": "autoscale", **common_record(args, scenario), "settings": _settings_record(args, policies),
               "order": order, "runs": runs, "limits": notes,
               "offered_rate": offered_rate(scenario.plan.offsets, args.duration,

@@ -79,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
                     failure.stop()
     finally:
         bar.close()
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "scenario": "faults", **common_record(args, scenario),
               "settings": {"pods": pods, "pods_per_process": args.pods_per_process, "gateways": gateways,
                            "duration_s": args.duration, "load": args.load, "rate": args.rate,

@@ -135,7 +135,7 @@ def main(args: argparse.Namespace) -> int:
         runs = _sweep(args, plans, settings, keys, policies, workloads, slos, work)
     print("\n" + runs_table(runs))
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": str(model), "profile": str(args.profile),
         "profile_coefficients": {c: getattr(profile, c) for c in COEFFICIENTS}, "profile_source": profile.source,
         "settings": _settings_record(args, policies, workloads, slos),

@@ -189,7 +189,7 @@ def main(args: argparse.Namespace) -> int:
             return 1
     print_results(results)
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "base_url": None if args.serve_model else args.base_url, "serve_model": args.serve_model,
         "engine_args": pod_args, "batch_priority_class": BATCH_CLASS.name if args.serve_model else None,
         "background_batch_lines": args.background_batch, "background_max_tokens": args.background_max_tokens,

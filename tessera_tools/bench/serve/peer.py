@@ -215,7 +215,7 @@ def main(args: argparse.Namespace) -> int:
     print_comparison(settings.rates, by_side, found, args.sustained_fraction)
     tail = percentile_key(settings.tail)
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "peer": {"name": "vllm", "settings": asdict(peer)}, "endpoint": args.endpoint,
         "dataset": args.dataset_path or "synthetic-sharegpt", "num_prompts": len(requests),
         "max_prompt_len": None if args.dataset_path else args.max_prompt_len,

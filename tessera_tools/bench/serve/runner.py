@@ -154,7 +154,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     print_sweep_table([summary for _, summary in runs], settings.tail)
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "base_url": args.base_url, "endpoint": args.endpoint, "model": target.model,
         "dataset": args.dataset_path or "synthetic-sharegpt", "num_prompts": len(requests),
         "max_prompt_len": None if args.dataset_path else args.max_prompt_len,

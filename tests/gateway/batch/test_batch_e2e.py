@@ -13,29 +13,9 @@ import httpx
 import openai
 import pytest
 
-from gateway.process import GatewayProcess
+from tests.gateway.batch.conftest import start_batch_gateway as _gateway
 from tests.gateway.observe import metric_sum
-from tests.gateway.conftest import MODEL_NAME, client, gateway_config, write_tenants
-
-# Quick turns for the tests: a dead runner's batch is resumed within seconds.
-BATCH_TIMING = {"lease_s": 2.0, "poll_interval_s": 0.2, "retry_interval_s": 0.2}
-
-
-def _gateway(tiny_llama, engine_pods, work, batch: dict) -> GatewayProcess:
-    config = gateway_config(tiny_llama, [(p, "mixed") for p in engine_pods], write_tenants(work / "tenants.yaml"),
-                            batch={**BATCH_TIMING, **batch})
-    gw = GatewayProcess(config, work, log_path=work / "gateway.log")
-    gw.wait_ready(num_pods=2)
-    return gw
-
-
-@pytest.fixture(scope="module")
-def batch_gateway(tiny_llama, engine_pods, tmp_path_factory):
-    work = tmp_path_factory.mktemp("batch-gateway")
-    gw = _gateway(tiny_llama, engine_pods, work, {"directory": str(work / "store"), "max_file_bytes": 200_000,
-                                                  "max_lines_per_file": 500})
-    yield gw
-    gw.terminate()
+from tests.gateway.conftest import MODEL_NAME, client
 
 
 def _jsonl(n: int, url: str = "/v1/completions", prefix: str = "req") -> bytes:
@@ -152,7 +132,8 @@ def test_every_batch_route_needs_an_api_key(batch_gateway):
         stranger = openai.OpenAI(base_url=batch_gateway.base_url + "/v1", api_key=key or "x", max_retries=0,
                                  default_headers={} if key else {"Authorization": ""})
         calls = (lambda c: _upload(c, _jsonl(1)), lambda c: c.files.retrieve(uploaded.id),
-                 lambda c: c.files.content(uploaded.id), lambda c: c.batches.list(),
+                 lambda c: c.files.content(uploaded.id), lambda c: c.files.list(),
+                 lambda c: c.files.delete(uploaded.id), lambda c: c.batches.list(),
                  lambda c: c.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
                                             completion_window="24h"))
         for call in calls:
@@ -228,3 +209,23 @@ def test_the_openapi_document_has_the_batch_routes(batch_gateway):
                  "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel"):
         assert path in paths
     assert "404" in paths["/v1/batches/{batch_id}"]["get"]["responses"]
+    assert {"get", "post"} <= set(paths["/v1/files"])
+    assert {"404", "409"} <= set(paths["/v1/files/{file_id}"]["delete"]["responses"])
+    assert {p["name"] for p in paths["/v1/files"]["get"]["parameters"]} == {"purpose", "limit", "after", "order"}
+
+
+def test_files_listed_and_deleted_and_their_records_signed(batch_gateway):
+    """The gateway signs with the key of its internal secret: a record altered in its
+    store is no longer served (the store's own tests: test_batch_signing.py)."""
+    c = client(batch_gateway, "docs-a")  # a tenant no other test here uploads as: its list is this test's
+    first, second = _upload(c, _jsonl(1)), _upload(c, _jsonl(2))
+    assert {f.id for f in c.files.list().data} == {first.id, second.id}
+    assert [f.id for f in client(batch_gateway, "docs-b").files.list().data] == []
+    record = batch_gateway.store_dir / "tenants" / "docs-a" / "files" / f"{first.id}.json"
+    assert record.read_bytes().startswith(b"hmac-sha256:")
+    record.write_bytes(record.read_bytes().replace(b'"input.jsonl"', b'"other.jsonl"'))
+    with pytest.raises(openai.NotFoundError):
+        c.files.retrieve(first.id)
+    assert [f.id for f in c.files.list().data] == [second.id]
+    assert c.files.delete(second.id).deleted
+    assert c.files.list().data == []

@@ -1,7 +1,9 @@
 """The runner's pacing and bookkeeping with the pipeline faked (the real one
 is in test_batch_e2e.py): shed lines wait and run again, never fail; at most
 max_concurrency lines are in flight; a resumed batch runs only the lines
-without an outcome; the batch class is the sheddable one by default."""
+without an outcome; the batch class is the sheddable one by default. With
+signed records, a batch whose record does not verify is not run, and a
+line whose result does not verify runs again."""
 
 from __future__ import annotations
 
@@ -60,14 +62,16 @@ def _runner(store, **config) -> BatchRunner:
 
 
 async def _run_to_end(store, runner) -> dict:
+    async def completed() -> dict:
+        while (batch := await store.get_batch("alice", BATCH))["status"] != "completed":
+            await asyncio.sleep(0.02)
+        return batch
+
     runner.start()
     try:
-        async with asyncio.timeout(20):
-            while (batch := await store.get_batch("alice", BATCH))["status"] != "completed":
-                await asyncio.sleep(0.02)
+        return await asyncio.wait_for(completed(), 20)  # not asyncio.timeout: Python 3.10 has none
     finally:
         await runner.stop()
-    return batch
 
 
 async def _lines(store, file_id: str) -> list[dict]:
@@ -121,9 +125,120 @@ def test_a_resumed_batch_runs_only_the_lines_without_an_outcome(tmp_path, monkey
     assert sorted(pipeline.attempts) == sorted(str(i) for i in range(10) if i not in (0, 5, 9))
 
 
+KEY = b"k" * 32
+
+
+def test_a_line_whose_result_does_not_verify_runs_again(tmp_path, monkeypatch):
+    pipeline = FakePipeline(sheds=0)
+    monkeypatch.setattr(runner_module, "run_completion", pipeline)
+
+    async def main():
+        store = DirectoryStore(tmp_path, KEY)
+        await _new_batch(store, 4)
+        record = await store.get_batch("alice", BATCH)
+        await store.put_batch("alice", {**record, "status": "in_progress"})
+        for i in (0, 1):
+            await store.put_result(BATCH, i, {"custom_id": f"c{i}", "response": {"status_code": 200, "body": {}},
+                                              "error": None, "id": "earlier"})
+        # Line 1's result altered behind the store's back: it is no result, so the line runs again.
+        path = tmp_path / "runs" / BATCH / "results" / "1.json"
+        path.write_bytes(path.read_bytes().replace(b'"earlier"', b'"forged"'))
+        batch = await _run_to_end(store, _runner(store))
+        output = await _lines(store, batch["output_file_id"])
+        assert [o["custom_id"] for o in output] == ["c0", "c1", "c2"]  # c3: the fake's refusal, in the errors
+        assert output[0]["id"] == "earlier" and output[1]["id"].startswith("batch_req_")
+
+    asyncio.run(main())
+    assert pipeline.attempts == {"1": 1, "2": 1, "3": 1}  # line 0 kept its verified result
+
+
+def test_a_batch_whose_record_does_not_verify_is_not_run(tmp_path, monkeypatch):
+    pipeline = FakePipeline(sheds=0)
+    monkeypatch.setattr(runner_module, "run_completion", pipeline)
+
+    async def main():
+        store = DirectoryStore(tmp_path, KEY)
+        await _new_batch(store, 3)
+        path = tmp_path / "tenants" / "alice" / "batches" / f"{BATCH}.json"
+        path.write_bytes(path.read_bytes().replace(b'"validating"', b'"in_progress"'))
+        runner = _runner(store)
+        runner.start()
+        try:
+            async def dropped() -> None:
+                while await store.active_batches():
+                    await asyncio.sleep(0.02)
+
+            await asyncio.wait_for(dropped(), 10)  # the runner found no record and let the batch go
+        finally:
+            await runner.stop()
+
+    asyncio.run(main())
+    assert pipeline.attempts == {}
+
+
 def test_the_batch_class_defaults_to_the_sheddable_one():
     classes = PriorityClasses.from_config(None, None)
     assert batch_priority_class(classes, None) == "batch"
     assert batch_priority_class(classes, "standard") == "standard"
     with pytest.raises(ValueError, match="batch.priority_class"):
         batch_priority_class(classes, "nope")
+
+
+def test_a_drain_lets_lines_in_flight_end_and_starts_no_more(tmp_path, monkeypatch):
+    """SIGTERM: the lines running end and keep their results, none starts after,
+    and the batch stays unfinished, so whoever resumes it runs only the rest."""
+    release = asyncio.Event()
+    started: list[str] = []
+
+    async def slow_pipeline(gateway, body, tenant, endpoint):
+        started.append(body.prompt)
+        await release.wait()
+        return {"id": f"cmpl-{body.prompt}", "object": "text_completion"}
+
+    monkeypatch.setattr(runner_module, "run_completion", slow_pipeline)
+
+    async def main():
+        store = DirectoryStore(tmp_path)
+        await _new_batch(store, 10)
+        runner = _runner(store, max_concurrency=3)
+        runner.start()
+        while len(started) < 3:
+            await asyncio.sleep(0.01)
+        runner.begin_drain()
+        asyncio.get_running_loop().call_later(0.2, release.set)  # the lines in flight end within the grace
+        await runner.stop(grace_s=5)
+        assert sorted(started) == ["0", "1", "2"]  # none started after the drain began
+        assert sorted((await store.results(BATCH)).keys()) == [0, 1, 2]
+        assert (await store.get_batch("alice", BATCH))["status"] == "in_progress"
+        resumed = []
+        monkeypatch.setattr(runner_module, "run_completion",
+                            lambda g, body, t, e: resumed.append(body.prompt) or slow_pipeline(g, body, t, e))
+        batch = await _run_to_end(store, _runner(store))
+        assert sorted(resumed) == [str(i) for i in range(3, 10)]
+        output = await _lines(store, batch["output_file_id"])
+        assert [o["custom_id"] for o in output] == [f"c{i}" for i in range(10)]
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_drain_past_its_grace_abandons_the_lines_without_results(tmp_path, monkeypatch):
+    async def never_ends(gateway, body, tenant, endpoint):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(runner_module, "run_completion", never_ends)
+
+    async def main():
+        store = DirectoryStore(tmp_path)
+        await _new_batch(store, 5)
+        runner = _runner(store, max_concurrency=2)
+        runner.start()
+        while (await store.get_batch("alice", BATCH))["status"] != "in_progress":
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        await asyncio.wait_for(runner.stop(grace_s=0.3), 5)
+        assert await store.results(BATCH) == {}
+        assert (await store.get_batch("alice", BATCH))["status"] == "in_progress"
+        await store.close()
+
+    asyncio.run(main())

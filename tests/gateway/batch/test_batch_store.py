@@ -1,6 +1,8 @@
-"""Both stores keep the same promises: ownership by tenant, idempotent
-results by line, leases that exclude another owner until they expire, and
-everything there again after the store is reopened (a gateway restart)."""
+"""Both stores keep the same promises, with their records signed (a key) or
+not: ownership by tenant, idempotent results by line, leases that exclude
+another owner until they expire, everything there again after the store is
+reopened (a gateway restart), files listed newest first and deleted whole.
+Tampering with signed records: test_batch_signing.py."""
 
 from __future__ import annotations
 
@@ -16,13 +18,18 @@ BATCH = "batch_" + "a" * 32
 FILE = "file-" + "b" * 32
 
 
-@pytest.fixture(params=["directory", "redis"])
+KEY = bytes(range(32))
+
+
+@pytest.fixture(params=["directory", "redis", "directory-signed", "redis-signed"])
 def open_store(request, tmp_path):
     """A factory: each call opens the same store anew, as a restarted gateway would."""
-    if request.param == "directory":
-        return lambda: DirectoryStore(tmp_path / "store")
+    kind, _, signed = request.param.partition("-")
+    key = KEY if signed else None
+    if kind == "directory":
+        return lambda: DirectoryStore(tmp_path / "store", key)
     server = request.getfixturevalue("redis_server")
-    return lambda: RedisStore(server.url, "test:batch:")
+    return lambda: RedisStore(server.url, "test:batch:", key)
 
 
 def test_files_batches_and_results_survive_reopening(open_store):
@@ -76,3 +83,66 @@ def test_a_lease_excludes_others_until_it_expires(open_store):
             await store.close()
 
     asyncio.run(main())
+
+
+def _file(n: int, created_at: int, purpose: str = "batch") -> dict:
+    return {**new_file_record(f"file-{n:032x}", f"f{n}.jsonl", 1, purpose), "created_at": created_at}
+
+
+def test_files_are_listed_newest_first_and_deleted_whole(open_store):
+    async def main():
+        store = open_store()
+        try:
+            # Out of order on purpose; two in the same second are ordered by id.
+            for n, created in ((1, 100), (3, 300), (2, 200), (4, 300)):
+                await store.put_file("alice", _file(n, created), b"x")
+            await store.put_file("bob", _file(9, 999), b"y")
+            assert [f["id"][-1] for f in await store.list_files("alice")] == ["4", "3", "2", "1"]
+            assert [f["id"][-1] for f in await store.list_files("bob")] == ["9"]
+            assert await store.list_files("carol") == []
+            # Another tenant's file is not theirs to delete; an unknown one is no file.
+            assert not await store.delete_file("bob", _file(3, 0)["id"])
+            assert not await store.delete_file("alice", "file-" + "e" * 32)
+            assert await store.delete_file("alice", _file(3, 0)["id"])
+            assert not await store.delete_file("alice", _file(3, 0)["id"])  # gone: a second delete finds nothing
+            assert await store.get_file("alice", _file(3, 0)["id"]) is None
+            assert await store.file_content("alice", _file(3, 0)["id"]) is None
+            assert await store.count_files("alice") == 3  # the quota counts what is left
+            assert [f["id"][-1] for f in await store.list_files("alice")] == ["4", "2", "1"]
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_slow_disk_never_blocks_the_event_loop(tmp_path, monkeypatch):
+    """Every directory-store write fsyncs; on a busy disk that takes long, and on the
+    event loop it would stall every interactive request of the gateway meanwhile."""
+    import os
+
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (time.sleep(0.3), real_fsync(fd)))
+
+    async def main():
+        store = DirectoryStore(tmp_path)
+        gaps = []
+
+        async def ticker():
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        await asyncio.gather(*(store.put_result("batch_" + "0" * 32, i, {"i": i}) for i in range(3)))
+        await asyncio.sleep(0.05)  # the ticker's turn after the writes: a stall shows as its gap
+        tick.cancel()
+        assert (await store.results("batch_" + "0" * 32)).keys() == {0, 1, 2}
+        await store.close()
+        return gaps
+
+    gaps = asyncio.run(main())
+    assert max(gaps) < 0.2, f"the loop stalled {max(gaps):.2f} s"
