@@ -34,6 +34,11 @@ MAX_SPECULATIVE_TOKENS = 32
 MIN_LE_MAX_RULE = "self.minReplicas <= self.maxReplicas"
 LOOKUP_BOUNDS_RULE = "self.promptLookupMin <= self.promptLookupMax"
 DEFAULT_REDIS_PORT = 6379
+# The engine's default of --background-max-batched-tokens (engine_pod/config.py SchedulerConfig).
+DEFAULT_BACKGROUND_MAX_BATCHED_TOKENS = 256
+# A request's priority is an int32 on the wire; the gateway's classes are >= 0.
+MAX_PRIORITY = 2**31 - 1
+BACKGROUND_POLICY_RULE = "!has(self.backgroundPriority) || self.schedulingPolicy == 'priority'"
 
 
 def engine_schema() -> Schema:
@@ -52,6 +57,16 @@ def engine_schema() -> Schema:
                                        default=0.9, minimum=0.05, maximum=1),
         "schedulingPolicy": string("fcfs: arrival order; priority: the gateway's priority classes, lower first.",
                                    enum=["fcfs", "priority"], default="priority"),
+        "backgroundPriority": integer(
+            "Requests of this priority or above are background work (batch jobs): they run only on capacity the "
+            "others leave idle, nothing in a step while another request waits or prefills (--background-priority; "
+            "needs schedulingPolicy priority). Absent: with spec.batch, the batch class's priority when it is "
+            "larger than gateway.defaultPriorityClass's (so the default class stays foreground), else none. Every "
+            "class at or past it becomes background work.", minimum=0, maximum=MAX_PRIORITY),
+        "backgroundMaxBatchedTokens": integer(
+            "Tokens all background requests together take in one engine step at most: how much longer a step "
+            "gets when an interactive request arrives behind them (--background-max-batched-tokens; absent: the "
+            f"engine's {DEFAULT_BACKGROUND_MAX_BATCHED_TOKENS}).", minimum=1),
         "gpuResourceName": string("Extended resource that counts GPUs (the device plugin's name).",
                                   default="nvidia.com/gpu", min_length=1),
         "drainTimeoutSeconds": integer("Seconds in-flight requests get to finish after SIGTERM; the pods' "
@@ -68,7 +83,9 @@ def engine_schema() -> Schema:
                                    enum=list(ATTENTION_BACKENDS), default="auto"),
         "speculative": _speculative(),
         "lora": engine_lora_schema(),
-    }, default={})
+    }, default={}, rules=[(BACKGROUND_POLICY_RULE, "engine.backgroundPriority needs engine.schedulingPolicy "
+                                                   "priority (under fcfs a background request at the head of the "
+                                                   "queue would hold back the others)")])
 
 
 def _speculative() -> Schema:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from gateway.config import KV_CHANNELS, DisaggregationConfig
 from gateway.tool_calls.parsers import parser_names
 from tessera.internal_secret import SECRET_KEY
+from tessera_operator import crd_batch
 from tessera_operator.crd_engine import autoscaling_schema, engine_schema, kv_store_schema, pools_schema
 from tessera_operator.crd_lora import LORA_NAMES_RULE, LORA_SETTINGS_RULE, loras_schema
 from tessera_operator.schema_dsl import (
@@ -55,6 +56,7 @@ def spec_schema() -> Schema:
         "kvStore": kv_store_schema(),
         "gateway": _gateway(),
         "disaggregation": _disaggregation(),
+        "batch": crd_batch.batch_schema(),
         "autoscaling": autoscaling_schema(),
         "internalSecretRef": _internal_secret_ref(),
         "internalTLS": _internal_tls(),
@@ -64,6 +66,8 @@ def spec_schema() -> Schema:
         (LORA_NAMES_RULE, "every loras[].name must differ from model.name (requests choose the adapter by it)"),
         (LORA_SETTINGS_RULE, "engine.lora needs adapters to serve: list them in loras, or folders to load them "
                              "from in engine.lora.runtimeRoots"),
+        (crd_batch.CLASS_RULE, crd_batch.CLASS_MESSAGE),
+        (crd_batch.VOLUME_REPLICAS_RULE, crd_batch.VOLUME_REPLICAS_MESSAGE),
     ])
 
 
@@ -104,7 +108,7 @@ def _gateway() -> Schema:
         "image": string("Container image of the gateway pods (absent: "
                         f"{DEFAULT_CONTROL_PLANE_IMAGE}, the Dockerfile's slim control-plane target, while "
                         "spec.image is the default; else spec.image).", min_length=1),
-        "replicas": integer("Gateway pods (they share no state).", default=1, minimum=1),
+        "replicas": integer("Gateway pods (they share no state; 1 with batch.volume).", default=1, minimum=1),
         "serviceType": string("Type of the gateway Service.", enum=["ClusterIP", "NodePort", "LoadBalancer"],
                               default="ClusterIP"),
         "tenantsSecretRef": obj("Secret with the tenants file (API-key hashes, limits) under the key "

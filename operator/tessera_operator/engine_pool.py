@@ -7,7 +7,7 @@ import json
 from kubernetes.utils.quantity import parse_quantity
 
 from kv_store.redis_tier import REDIS_URL_ENV  # the engine reads the Redis URL (password included) from it
-from tessera_operator import loras, names, pod_parts, secret_files
+from tessera_operator import batch, loras, names, pod_parts, secret_files
 from tessera_operator.crd_spec import DIRECT_KV_CHANNEL
 from tessera_operator.names import Owner
 from tessera.tracing import ENGINE_SERVICE_NAME
@@ -40,8 +40,9 @@ def engine_args(owner: Owner, spec: dict, role: str) -> list[str]:
              "--max-num-batched-tokens", str(engine["maxNumBatchedTokens"]),
              "--max-num-seqs", str(engine["maxNumSeqs"]),
              "--gpu-memory-utilization", str(engine["gpuMemoryUtilization"]),
-             "--scheduling-policy", engine["schedulingPolicy"],
-             "--tensor-parallel-size", str(pool_tensor_parallel_size(spec, role)),
+             "--scheduling-policy", engine["schedulingPolicy"]]
+    args += _background_args(spec)
+    args += ["--tensor-parallel-size", str(pool_tensor_parallel_size(spec, role)),
              "--drain-timeout", str(engine["drainTimeoutSeconds"]),
              "--step-timeout", str(engine["stepTimeoutSeconds"]),
              "--attention-backend", engine["attentionBackend"]]
@@ -59,6 +60,18 @@ def engine_args(owner: Owner, spec: dict, role: str) -> list[str]:
         args += ["--kv-redis-key-prefix", names.redis_key_prefix(owner),
                  "--kv-redis-timeout", str(kv["redis"]["timeoutSeconds"])]
     return args + _inbox_args(spec, role)
+
+
+def _background_args(spec: dict) -> list[str]:
+    """Background (batch) work on idle capacity only: engine.backgroundPriority, or the batch class's
+    priority with spec.batch (batch.background_priority)."""
+    args = []
+    priority = batch.background_priority(spec)
+    if priority is not None:
+        args += ["--background-priority", str(priority)]
+    if "backgroundMaxBatchedTokens" in spec["engine"]:
+        args += ["--background-max-batched-tokens", str(spec["engine"]["backgroundMaxBatchedTokens"])]
+    return args
 
 
 def _inbox_bytes(spec: dict, role: str) -> int | None:

@@ -6,7 +6,7 @@ import hashlib
 
 import yaml
 
-from tessera_operator import loras, names, pod_parts, secret_files
+from tessera_operator import batch, loras, names, pod_parts, secret_files
 from tessera_operator.crd_spec import DEFAULT_CONTROL_PLANE_IMAGE, DEFAULT_IMAGE
 from tessera_operator.names import Owner
 from tessera.tracing import GATEWAY_SERVICE_NAME
@@ -59,6 +59,9 @@ def gateway_config(owner: Owner, spec: dict) -> dict:
     tls = secret_files.gateway_tls_config(spec)
     if tls:
         config["internal"] = {"tls": tls}
+    batch_config = batch.gateway_section(owner, spec)
+    if batch_config is not None:
+        config["batch"] = batch_config
     return config
 
 
@@ -98,9 +101,19 @@ def _volumes(spec: dict, owner: Owner) -> tuple[list[dict], list[dict]]:
     tenants = spec["gateway"].get("tenantsSecretRef")
     if tenants:
         files += secret_files.mounted_secret("tenants", tenants["name"], {TENANTS_KEY: TENANTS_KEY}, TENANTS_DIR)
-    volumes += files.volumes
-    mounts += files.mounts
+    batch_volumes, batch_mounts = batch.volumes(spec)
+    volumes += files.volumes + batch_volumes
+    mounts += files.mounts + batch_mounts
     return volumes, mounts
+
+
+def _strategy(spec: dict) -> dict:
+    """Roll one extra pod in, never one fewer; but a gateway whose Batch API store is a directory
+    (spec.batch.volume) is replaced: two would share the store, and a ReadWriteOnce claim cannot
+    attach to a second node, which would hold a rolling update up for ever."""
+    if batch.single_writer(spec):
+        return {"type": "Recreate"}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
 
 
 def deployment(owner: Owner, spec: dict) -> dict:
@@ -136,7 +149,7 @@ def deployment(owner: Owner, spec: dict) -> dict:
         "spec": {
             "replicas": gw["replicas"],
             "selector": {"matchLabels": names.selector(owner, "gateway")},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": _strategy(spec),
             "template": {
                 "metadata": {"labels": labels, "annotations": {names.CONFIG_HASH_ANNOTATION: digest,
                                                                **pod_parts.scrape_annotations(METRICS_PORT)}},

@@ -30,7 +30,7 @@ RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)
 
 
 def now_iso() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def configure(settings: kopf.OperatorSettings, **_) -> None:

@@ -144,11 +144,16 @@ def folder_sources(pvc_description: str, path_description: str, host_description
     """Where a folder lives, as the model's checkpoint says it: `pvc` (a claim and a path inside it)
     or `hostPath` (a node's folder); the object holding them carries ONE_SOURCE_RULE."""
     return {
-        "pvc": obj(pvc_description, {
-            "claimName": string("Name of the PVC, in the InferenceService's namespace.", min_length=1),
-            "path": string(path_description, default="", pattern=r"^[^/].*$|^$"),
-        }, required=["claimName"]),
+        "pvc": pvc_source(pvc_description, path_description),
         "hostPath": obj(host_description, {
             "path": string(host_path_description, pattern=r"^/"),
         }, required=["path"]),
     }
+
+
+def pvc_source(description: str, path_description: str) -> Schema:
+    """A folder on a PersistentVolumeClaim: the claim and a path inside it (model.pvc's shape)."""
+    return obj(description, {
+        "claimName": string("Name of the PVC, in the InferenceService's namespace.", min_length=1),
+        "path": string(path_description, default="", pattern=r"^[^/].*$|^$"),
+    }, required=["claimName"])

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tessera_operator import crd, crd_engine, crd_lora, crd_spec
+from tessera_operator import crd, crd_batch, crd_engine, crd_lora, crd_spec
 from tessera_operator.schema_dsl import DNS_LABEL_PATTERN, ONE_SOURCE_RULE
 
 Schema = dict[str, Any]
@@ -58,6 +58,14 @@ RULE_CHECKS: dict[str, Callable[[dict], bool]] = {
     crd_lora.LORA_NAMES_RULE: lambda spec: all(a["name"] != spec["model"]["name"] for a in spec.get("loras", [])),
     crd_lora.LORA_SETTINGS_RULE: lambda spec: ("lora" not in spec["engine"] or bool(spec.get("loras"))
                                                or bool(spec["engine"]["lora"]["runtimeRoots"])),
+    crd_engine.BACKGROUND_POLICY_RULE: lambda engine: ("backgroundPriority" not in engine
+                                                       or engine["schedulingPolicy"] == "priority"),
+    crd_batch.ONE_STORE_RULE: lambda batch: ("redis" in batch) != ("volume" in batch),
+    crd_batch.CLASS_RULE: lambda spec: ("priorityClass" not in spec.get("batch", {})
+                                        or any(c["name"] == spec["batch"]["priorityClass"]
+                                               for c in spec["gateway"]["priorityClasses"])),
+    crd_batch.VOLUME_REPLICAS_RULE: lambda spec: ("volume" not in spec.get("batch", {})
+                                                  or spec["gateway"]["replicas"] == 1),
 }
 
 

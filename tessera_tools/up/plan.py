@@ -8,6 +8,11 @@ of Services, a local folder instead of the PVC, cores split between pods.
 Credentials stay off the command lines here too: the Redis URL goes in the
 engines' environment (`EngineChild.env`), and the runner hands every child
 the internal secret as a file.
+
+The Batch API (spec.batch) keeps its files and batches where they outlive a
+run: `batch.volume` is a folder under the run's state directory (what
+--models-dir is to the model's PVC), `batch.redis` the Redis the run uses for
+kvStore.redis.
 """
 
 from __future__ import annotations
@@ -52,6 +57,10 @@ class LocalPlan:
     # The gateway's /metrics (off its public port, as in a cluster).
     metrics_port: int
     warnings: list[str] = field(default_factory=list)
+    # spec.batch.volume's folder here (the Batch API's directory store); None: no such store.
+    batch_directory: Path | None = None
+    # Whether the gateway serves the Batch API (/v1/files, /v1/batches).
+    batch: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,20 @@ class LocalOptions:
     redis_url: str | None = None
     cpus: tuple[int, ...] = ()              # default: this process's CPU affinity
     pin_cpus: bool = True
+    # What outlives a run (logs, spec.batch.volume's folder); None: .tessera/up/NAME (state_dir()).
+    state_dir: Path | None = None
+
+
+def state_dir(options: LocalOptions, name: str) -> Path:
+    """Where a run of the InferenceService `name` keeps what outlives it: its logs and the Batch API's
+    folder (the runner's --log-dir, else .tessera/up/NAME)."""
+    return options.state_dir if options.state_dir is not None else Path(".tessera/up") / name
+
+
+def local_batch_directory(volume: dict, state: Path) -> Path:
+    """spec.batch.volume here: the claim's `path` under STATE/batch, which stands in for the claim
+    (as --models-dir does for the model's), so the files and batches survive a restart of the run."""
+    return (state / "batch" / volume.get("path", "")).resolve()
 
 
 def local_model_path(model: dict, models_dir: Path) -> Path:
@@ -110,10 +133,32 @@ def build_plan(resource: dict, options: LocalOptions, free_port: Callable[[], in
         engines.append(EngineChild(f"{role}-{index}", role, grpc_port, metrics_port, args, cpu_set, dict(redis_env),
                                    kv_inbox_port))
     gateway_metrics_port = options.metrics_port or free_port()
-    return LocalPlan(owner.name, spec["model"]["name"], engines,
-                     _gateway_config(owner, spec, model_path, engines, options, gateway_metrics_port),
+    config = _gateway_config(owner, spec, model_path, engines, options, gateway_metrics_port)
+    batch_directory = _local_batch(config, spec, options, owner.name)
+    return LocalPlan(owner.name, spec["model"]["name"], engines, config,
                      needs_redis="redis" in spec["kvStore"], metrics_port=gateway_metrics_port,
-                     warnings=_warnings(spec))
+                     warnings=_warnings(spec), batch_directory=batch_directory, batch="batch" in config)
+
+
+def _local_batch(config: dict, spec: dict, options: LocalOptions, name: str) -> Path | None:
+    """The gateway config's `batch` made local: a folder under the state directory for a volume;
+    for redis, the URL of the run's kvStore.redis (it lands in the gateway's config file, which the
+    runner keeps private: no ConfigMap here). Returns the folder, if any."""
+    section = config.get("batch")
+    if section is None:
+        return None
+    if "volume" in spec["batch"]:
+        folder = local_batch_directory(spec["batch"]["volume"], state_dir(options, name))
+        section["directory"] = str(folder)
+        return folder
+    if "redis" not in spec["kvStore"]:
+        raise ValueError("spec.batch.redis: `tessera up` keeps batches in the Redis it runs for kvStore.redis "
+                         "(its own redis-server, or --redis-url), and this resource has no kvStore.redis: add "
+                         "one, or keep batches in a folder with spec.batch.volume")
+    if not options.redis_url:
+        raise ValueError("spec.batch.redis: no Redis URL for kvStore.redis (pass --redis-url)")
+    section["redis_url"] = options.redis_url
+    return None
 
 
 def _local_engine_args(args: list[str], model_path: Path, grpc_port: int, metrics_port: int, kv_inbox_port: int,
@@ -168,4 +213,7 @@ def _warnings(spec: dict) -> list[str]:
         out.append("internalTLS names a Kubernetes Secret; locally the internal hops use the bearer token alone")
     if (spec["kvStore"].get("redis") or {}).get("tls"):
         out.append("kvStore.redis.tls names Kubernetes Secrets; locally --redis-url is used as given")
+    if "redis" in (spec.get("batch") or {}):
+        out.append("batch.redis.urlSecretRef names a Kubernetes Secret; locally batches are kept in "
+                   "kvStore.redis's Redis")
     return out

@@ -7,7 +7,11 @@ and stops every child; a child that crashes is restarted with back-off.
 
 Each run generates its own internal secret (what the operator's Secret is in
 a cluster), writes it to a file only this user may read, and names the file
-to every child by environment: no credential is ever on a command line.
+to every child by environment: no credential is ever on a command line. A
+run that keeps Batch API files in a folder (spec.batch.volume) keeps its
+secret too, in the same state directory, and the next run reuses it: the
+gateway signs the batch records with a key derived from it, so a new secret
+would make every stored file and batch unreadable.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 import os
 import re
 import signal
+import stat
 import sys
 import time
 from pathlib import Path
@@ -27,8 +32,8 @@ from grpc_health.v1 import health_pb2
 from engine_pod.server.process import health_status
 from gateway.process import gateway_health
 from tessera.child_process import ChildProcess, free_port
-from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, SECRET_KEY, InternalSecret
-from tessera_tools.up.plan import EngineChild, LocalOptions, LocalPlan, build_plan
+from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, SECRET_KEY, InternalSecret, InternalSecretError
+from tessera_tools.up.plan import EngineChild, LocalOptions, LocalPlan, build_plan, state_dir
 from tessera_tools.up.ports import check_ports
 from tessera_tools.up.supervisor import ChildFailed, Supervisor
 
@@ -47,7 +52,9 @@ def add_parser(sub) -> None:
     p.add_argument("--redis-url", default=None,
                    help="Redis for kvStore.redis (default: a private redis-server is started)")
     p.add_argument("--no-pin", action="store_true", help="do not pin each engine pod to its own CPUs")
-    p.add_argument("--log-dir", default=None, help="child logs (default: .tessera/up/NAME)")
+    p.add_argument("--log-dir", default=None,
+                   help="child logs and what outlives a run, such as spec.batch.volume's folder "
+                        "(default: .tessera/up/NAME)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every pod to serve")
     p.set_defaults(func=run)
 
@@ -70,21 +77,25 @@ class _StopRequested(Exception):
 
 
 def run(args: argparse.Namespace) -> int:
+    resource = load_resource(args.file)
+    metadata = resource.get("metadata")
+    name = metadata.get("name") if isinstance(metadata, dict) else None
+    # An invalid name is refused by build_plan; until then it only names a folder.
+    log_dir = Path(args.log_dir) if args.log_dir else None
     options = LocalOptions(models_dir=Path(args.models_dir), host=args.host, http_port=args.http_port,
                            grpc_port=args.grpc_port, metrics_port=args.metrics_port, tenants_file=args.tenants_file,
-                           redis_url=args.redis_url, pin_cpus=not args.no_pin)
-    resource = load_resource(args.file)
+                           redis_url=args.redis_url, pin_cpus=not args.no_pin, state_dir=log_dir)
     # Before any child starts: a taken port is a one-line error now, not a gateway that exits at every restart.
     check_ports(options.host, {"--http-port": options.http_port, "--grpc-port": options.grpc_port,
                                "--metrics-port": options.metrics_port})
     redis = None
     supervisor = Supervisor()
     if "redis" in (resource.get("spec") or {}).get("kvStore", {}) and not options.redis_url:
-        redis = _start_redis(Path(args.log_dir or f".tessera/up/{resource['metadata'].get('name', 'local')}"))
+        redis = _start_redis(state_dir(options, name if isinstance(name, str) and name else "local"))
         options = LocalOptions(**{**options.__dict__, "redis_url": redis.url})
     try:
         plan = build_plan(resource, options, free_port)
-        log_dir = Path(args.log_dir or f".tessera/up/{plan.name}")
+        log_dir = state_dir(options, plan.name)
         log_dir.mkdir(parents=True, exist_ok=True)
         return _serve(plan, options, log_dir, args.ready_timeout, supervisor)
     finally:
@@ -105,11 +116,33 @@ def _start_redis(workdir: Path):
 
 def write_secret_file(path: Path, secret: InternalSecret) -> Path:
     """The secret in a file only this user may read (0600 from its creation, never wider)."""
+    return write_private_file(path, secret.value)
+
+
+def write_private_file(path: Path, data: bytes) -> Path:
+    """`data` in a file only this user may read and write (0600 from its creation, never wider)."""
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(secret.value)
+        f.write(data)
     return path
+
+
+def kept_secret_file(path: Path) -> Path:
+    """The secret a previous run left at `path`, if it is still this user's alone and valid; else a new
+    one written there. For runs whose stored state is signed with a key derived from the secret."""
+    try:
+        info = path.lstat()
+        private = stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
+        if private and InternalSecret.load(path) is not None:
+            return path
+        logger.warning("up: %s is not a private file holding a valid secret; writing a new one (batch files and "
+                       "batches signed with the old one are no longer readable)", path)
+    except FileNotFoundError:
+        pass
+    except (OSError, InternalSecretError):
+        logger.warning("up: %s cannot be read as an internal secret; writing a new one", path)
+    return write_secret_file(path, InternalSecret.generate())
 
 
 def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout: float,
@@ -117,7 +150,12 @@ def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout:
     """Runs the platform's children under `supervisor` until a signal, then stops them."""
     for warning in plan.warnings:
         logger.warning("up: %s", warning)
-    secret_file = write_secret_file(log_dir / SECRET_KEY, InternalSecret.generate())
+    # A Batch API folder outlives the run, and its records are signed with a key derived from the secret:
+    # such a run keeps its secret for the next one; any other run makes its own.
+    keep_secret = plan.batch_directory is not None
+    secret_path = log_dir / SECRET_KEY
+    secret_file = kept_secret_file(secret_path) if keep_secret else write_secret_file(secret_path,
+                                                                                        InternalSecret.generate())
     # The file is each child's only secret: one inherited from this shell is blanked (an empty
     # value counts as unset), so no child holds another deployment's.
     env = {SECRET_FILE_ENV: str(secret_file), SECRET_ENV: ""}
@@ -131,8 +169,9 @@ def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout:
         for engine in plan.engines:
             child = _LoggedChild(engine.args, log_dir / f"{engine.name}.log", {**env, **engine.env}, engine.cpus)
             supervisor.add(engine.name, child.start, stop_order=1, fatal_cause=child.bind_failure)
-        config_path = log_dir / "gateway.yaml"
-        config_path.write_text(yaml.safe_dump(plan.gateway_config, sort_keys=False))
+        # Private: batch.redis_url (a --redis-url may carry a password) has no other home locally.
+        config_path = write_private_file(log_dir / "gateway.yaml",
+                                         yaml.safe_dump(plan.gateway_config, sort_keys=False).encode())
         gateway = _LoggedChild(["gateway", "--config", str(config_path)], log_dir / "gateway.log", env)
         supervisor.add("gateway", gateway.start, stop_order=0, fatal_cause=gateway.bind_failure)
         _wait_ready(plan, options, supervisor, stop, ready_timeout)
@@ -150,7 +189,8 @@ def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout:
         return 1
     finally:
         supervisor.stop()
-        secret_file.unlink(missing_ok=True)  # the next run makes its own
+        if not keep_secret:
+            secret_file.unlink(missing_ok=True)  # the next run makes its own
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -222,12 +262,16 @@ def banner(plan: LocalPlan, options: LocalOptions, log_dir: Path) -> str:
     key = "YOUR_API_KEY" if options.tenants_file else "local"
     width = max(len(e.name) for e in plan.engines)
     engines = "\n".join(_engine_line(e, width) for e in plan.engines)
+    batch = ""
+    if plan.batch:
+        kept = f"kept in {plan.batch_directory}" if plan.batch_directory else "kept in kvStore.redis's Redis"
+        batch = f"  batch    {base}/v1/files, {base}/v1/batches      (the Batch API; {kept})\n"
     return f"""
 Tessera is up: InferenceService {plan.name!r}, model {plan.model_name!r}, engine pods: {roles}
   REST     {base}/v1      (OpenAPI {base}/openapi.json)
   gRPC     {host}:{options.grpc_port}      (tessera.v1.Inference, health, reflection)
   metrics  http://{host}:{plan.metrics_port}/metrics      (the gateway's; not on the public port)
-{engines}
+{batch}{engines}
   logs     {log_dir}
 
 curl {base}/v1/completions -H 'Content-Type: application/json' -H 'Authorization: Bearer {key}' \\

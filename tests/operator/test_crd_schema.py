@@ -172,6 +172,28 @@ INVALID = [
     ("duplicate class", {"gateway": {"priorityClasses": [{"name": "a", "priority": 1, "weight": 1},
                                                          {"name": "a", "priority": 2, "weight": 1}],
                                      "defaultPriorityClass": "a"}}, "spec.gateway.priorityClasses", False),
+    # spec.batch and the engine's background scheduling.
+    ("zero batch concurrency", {"batch": {"volume": {"claimName": "b"}, "maxConcurrency": 0}},
+     "spec.batch.maxConcurrency", True),
+    ("zero lines per batch file", {"batch": {"volume": {"claimName": "b"}, "maxLinesPerFile": 0}},
+     "spec.batch.maxLinesPerFile", True),
+    ("batch volume path from the root", {"batch": {"volume": {"claimName": "b", "path": "/abs"}}},
+     "spec.batch.volume.path", True),
+    ("batch redis without its secret", {"batch": {"redis": {"keyPrefix": "x:"}}}, "spec.batch.redis.urlSecretRef",
+     True),
+    ("glob in the batch key prefix", {"batch": {"redis": {"urlSecretRef": {"name": "r"}, "keyPrefix": "b*"}}},
+     "spec.batch.redis.keyPrefix", True),
+    ("negative background priority", {"engine": {"backgroundPriority": -1}}, "spec.engine.backgroundPriority", True),
+    ("zero background tokens", {"engine": {"backgroundMaxBatchedTokens": 0}},
+     "spec.engine.backgroundMaxBatchedTokens", True),
+    ("batch with two stores", {"batch": {"volume": {"claimName": "b"}, "redis": {"urlSecretRef": {"name": "r"}}}},
+     "spec.batch", False),
+    ("batch with no store", {"batch": {"maxConcurrency": 2}}, "spec.batch", False),
+    ("batch class not defined", {"batch": {"volume": {"claimName": "b"}, "priorityClass": "batch"}}, "spec", False),
+    ("batch volume behind several gateways", {"gateway": {"replicas": 2}, "batch": {"volume": {"claimName": "b"}}},
+     "spec", False),
+    ("background priority under fcfs", {"engine": {"schedulingPolicy": "fcfs", "backgroundPriority": 20}},
+     "spec.engine", False),
 ]
 
 
@@ -220,3 +242,40 @@ def test_yaml_file_round_trip(tmp_path):
     path.write_text(yaml.safe_dump(make_isvc({"mode": "disaggregated"})))
     out = validate_inference_service(yaml.safe_load(path.read_text()))
     assert out["spec"]["pools"]["prefill"]["maxReplicas"] == 4
+
+
+# The cross-field messages of spec.batch and engine.backgroundPriority, as users read them.
+CROSS_FIELD_MESSAGES = [
+    ({"batch": {"maxConcurrency": 2}}, "spec.batch: set exactly one of batch.redis and batch.volume"),
+    ({"batch": {"volume": {"claimName": "b"}, "priorityClass": "gold"}},
+     "spec: batch.priorityClass must name one of gateway.priorityClasses"),
+    ({"gateway": {"replicas": 3}, "batch": {"volume": {"claimName": "b"}}},
+     "spec: batch.volume keeps files and batches in a directory that serves one gateway replica: set "
+     "gateway.replicas to 1, or use batch.redis, which several replicas share"),
+    ({"engine": {"schedulingPolicy": "fcfs", "backgroundPriority": 20}},
+     "spec.engine: engine.backgroundPriority needs engine.schedulingPolicy priority"),
+]
+
+
+@pytest.mark.parametrize("change,message", CROSS_FIELD_MESSAGES, ids=[m[1].split(":")[0] + ": " + m[1][:40]
+                                                                      for m in CROSS_FIELD_MESSAGES])
+def test_batch_cross_field_errors_say_what_to_change(change, message):
+    with pytest.raises(InvalidInferenceService) as info:
+        validate_inference_service(make_isvc(change))
+    assert message in str(info.value)
+    assert len(info.value.errors) == 1
+
+
+@pytest.mark.parametrize("change", [
+    {"batch": {"volume": {"claimName": "b"}}},                                   # the default classes
+    {"batch": {"volume": {"claimName": "b"}, "priorityClass": "standard"}},     # a class of the default list
+    {"gateway": {"replicas": 4}, "batch": {"redis": {"urlSecretRef": {"name": "r"}}}},  # Redis: many replicas
+    {"engine": {"backgroundPriority": 20, "backgroundMaxBatchedTokens": 64}},   # priority is the default policy
+    {"gateway": {"priorityClasses": [{"name": "standard", "priority": 10, "weight": 4},
+                                     {"name": "bulk", "priority": 20, "weight": 1}]},
+     "batch": {"volume": {"claimName": "b", "path": "x"}, "priorityClass": "bulk", "maxFileBytes": 1 << 20}},
+])
+def test_batch_specs_that_are_valid(change):
+    obj = make_isvc(change)
+    assert reference_errors(obj) == []
+    validate_inference_service(obj)

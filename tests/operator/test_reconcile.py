@@ -34,7 +34,7 @@ FULL_SPEC = {
     "engine": {"tensorParallelSize": 1, "blockSize": 32, "maxNumBatchedTokens": 4096, "maxNumSeqs": 64,
                "prefixCaching": False, "gpuMemoryUtilization": 0.85, "schedulingPolicy": "fcfs",
                "gpuResourceName": "amd.com/gpu", "drainTimeoutSeconds": 45, "stepTimeoutSeconds": 300,
-               "attentionBackend": "triton",
+               "attentionBackend": "triton", "backgroundMaxBatchedTokens": 128,
                "speculative": {"numSpeculativeTokens": 3, "promptLookupMax": 5}},
     "pools": {
         "prefill": {"replicas": 2, "minReplicas": 1, "maxReplicas": 3,
@@ -92,7 +92,8 @@ def test_engine_args_carry_every_engine_field(full):
                 "--gpu-memory-utilization": "0.85", "--scheduling-policy": "fcfs", "--tensor-parallel-size": "1",
                 "--drain-timeout": "45", "--step-timeout": "300", "--attention-backend": "triton",
                 "--kv-host-bytes": str(2 * 1024**3),
-                "--kv-redis-key-prefix": "tessera:ml/llama:", "--health-port": "50062"}
+                "--kv-redis-key-prefix": "tessera:ml/llama:", "--health-port": "50062",
+                "--background-max-batched-tokens": "128"}
     for flag, value in expected.items():
         assert arg_value(args, flag) == value, flag
     assert "--no-prefix-caching" in args
@@ -157,7 +158,7 @@ def test_engine_args_omit_unset_options(isvc):
     args = container(desired_objects(isvc), "llama-engine")["args"]
     for flag in ("--max-model-len", "--kv-host-bytes", "--kv-redis-url", "--kv-redis-key-prefix",
                  "--no-prefix-caching", "--speculative-config", "--tls-cert-file", "--kv-redis-ca-file",
-                 "--kv-redis-cert-file"):
+                 "--kv-redis-cert-file", "--background-priority", "--background-max-batched-tokens"):
         assert flag not in args
     assert arg_value(args, "--attention-backend") == "auto"
     env = {e["name"] for e in container(desired_objects(isvc), "llama-engine")["env"]}
@@ -178,6 +179,8 @@ def test_engine_args_parse_with_the_engine_cli(full):
     assert (args.role, args.block_size, args.max_num_seqs, args.tensor_parallel_size) == ("decode", 32, 64, 1)
     assert args.no_prefix_caching and args.kv_host_bytes == 2 * 1024**3
     assert args.attention_backend == "triton"
+    # fcfs: no background priority (the engine refuses one under fcfs), the token budget as given.
+    assert args.background_priority is None and args.background_max_batched_tokens == 128
     assert args.kv_inbox_bytes == 2 * 1024**3  # disaggregation.inboxBytes, with kvChannel direct
     assert args.kv_inbox_port == 50063  # the direct channel's data path, with that inbox
     # The engine's own parser of the flag takes it, with the schema's defaults filled in.

@@ -243,3 +243,79 @@ def test_adapters_are_read_from_this_machines_folders(tiny_llama, tmp_path):
     assert args[start : start + 2] == [f"sql={(tiny_llama.parent / 'tiny-sql').resolve()}", f"chat={tmp_path / 'chat'}"]
     assert _engine_flags(args)["--lora-root"] == str(tmp_path)
     assert [a["name"] for a in plan.gateway_config["model"]["loras"]] == ["sql", "chat"]
+
+
+def test_batch_example_keeps_its_folder_under_the_state_directory(tiny_llama, tmp_path):
+    """examples/local-batch.yaml: spec.batch.volume's folder lives under the run's state directory
+    (what outlives a run), the engines get the batch class's priority as their background priority,
+    and the gateway's own loader takes the config."""
+    from engine_pod.config import SchedulerConfig
+    from engine_pod.entrypoints.cli_args import engine_kwargs
+    from engine_pod.server.main import add_parser
+    from gateway.config import gateway_config_from_dict
+    from tessera_tools.up.runner import banner
+
+    options = LocalOptions(models_dir=tiny_llama.parent, state_dir=tmp_path / "state")
+    plan = build_plan(_example("local-batch.yaml"), options, _ports())
+    assert plan.batch and plan.batch_directory == (tmp_path / "state" / "batch" / "batches").resolve()
+    assert plan.gateway_config["batch"]["directory"] == str(plan.batch_directory)
+    batch = gateway_config_from_dict(plan.gateway_config).batch
+    assert (batch.directory, batch.redis_url, batch.priority_class, batch.max_concurrency) == (
+        str(plan.batch_directory), None, "batch", 4)
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    for engine in plan.engines:
+        kwargs = engine_kwargs(parser.parse_args(engine.args))
+        assert (kwargs["scheduling_policy"], kwargs["background_priority"]) == ("priority", 20)
+        SchedulerConfig(policy=kwargs["scheduling_policy"], background_priority=kwargs["background_priority"])
+    assert f"kept in {plan.batch_directory}" in banner(plan, options, tmp_path)
+    # Without a state directory: the runner's default, .tessera/up/NAME.
+    default = build_plan(_example("local-batch.yaml"), LocalOptions(models_dir=tiny_llama.parent), _ports())
+    assert default.batch_directory == Path(".tessera/up/local-batch/batch/batches").resolve()
+
+
+def test_no_batch_section_no_batch_api(tiny_llama):
+    plan = build_plan(_example("local.yaml"), LocalOptions(models_dir=tiny_llama.parent), _ports())
+    assert not plan.batch and plan.batch_directory is None and "batch" not in plan.gateway_config
+
+
+def test_batch_redis_uses_the_runs_kv_redis_and_keeps_the_url_off_every_command_line(tiny_llama):
+    """spec.batch.redis locally: the Redis of kvStore.redis (up's own, or --redis-url), named only in the
+    gateway's config file (which the runner writes private), under the service's key space."""
+    url = "redis://:hunter2-redis-password@127.0.0.1:7777/0"
+    resource = _example("local-disaggregated.yaml")
+    resource["spec"]["batch"] = {"redis": {"urlSecretRef": {"name": "batch-redis"}}}
+    plan = build_plan(resource, LocalOptions(models_dir=tiny_llama.parent, redis_url=url), _ports())
+    assert plan.batch and plan.batch_directory is None
+    assert plan.gateway_config["batch"]["redis_url"] == url
+    assert plan.gateway_config["batch"]["key_prefix"] == "tessera:default/local-pd:batch:"
+    assert not [a for e in plan.engines for a in e.args if "hunter2" in a]
+    assert any("batch.redis.urlSecretRef names a Kubernetes Secret" in w for w in plan.warnings)
+
+
+def test_batch_redis_without_a_kv_redis_is_refused(tiny_llama):
+    resource = _example("local.yaml")
+    resource["spec"]["batch"] = {"redis": {"urlSecretRef": {"name": "batch-redis"}}}
+    with pytest.raises(ValueError, match=r"spec.batch.redis: `tessera up` keeps batches in the Redis it runs for "
+                                         r"kvStore.redis .* add one, or keep batches in a folder with "
+                                         r"spec.batch.volume"):
+        build_plan(resource, LocalOptions(models_dir=tiny_llama.parent, redis_url="redis://127.0.0.1:1/0"), _ports())
+
+
+def test_a_batch_run_keeps_its_secret_for_the_next_one(tmp_path):
+    """The gateway signs batch records with a key derived from the internal secret: a run with a batch
+    folder reuses the secret the last one left, if it is still private; otherwise it writes a new one."""
+    from tessera.internal_secret import InternalSecret
+    from tessera_tools.up.runner import kept_secret_file
+
+    path = tmp_path / "internal-secret"
+    kept_secret_file(path)
+    first = path.read_bytes()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and InternalSecret.load(path) is not None
+    assert kept_secret_file(path) == path and path.read_bytes() == first  # reused
+    path.chmod(0o644)  # readable by others: no longer this run's alone
+    kept_secret_file(path)
+    assert path.read_bytes() != first and stat.S_IMODE(path.stat().st_mode) == 0o600
+    path.write_bytes(b"short")  # not a valid secret
+    kept_secret_file(path)
+    assert InternalSecret.load(path) is not None

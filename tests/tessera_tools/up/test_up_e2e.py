@@ -155,3 +155,59 @@ def test_a_killed_engine_is_restarted_while_the_other_serves(up):
         raise AssertionError("the killed engine was not back within 90 s")
     assert engines[victim] in now.values()
     assert all(up.complete(f"after {i}").status_code == 200 for i in range(4))
+
+
+def _wait_batch(up: Up, batch_id: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = httpx.get(f"{up.base_url}/v1/batches/{batch_id}", timeout=10, headers=_BATCH_KEY).json()
+        if batch["status"] in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        time.sleep(0.5)
+    raise TimeoutError(f"batch {batch_id} did not finish within {timeout:.0f} s")
+
+
+# examples/local-batch.yaml names no tenants file: open access, any key is the anonymous tenant.
+_BATCH_KEY = {"Authorization": "Bearer local"}
+
+
+def test_batch_example_serves_the_batch_api_and_its_batches_survive_a_restart(tiny_llama, tmp_path):
+    """examples/local-batch.yaml: /v1/files and /v1/batches are served, a batch runs, and after
+    `tessera up` stops and starts again on the same state directory the batch and its output are
+    still there: the folder stays, and so does the secret whose key signs the records."""
+    import json
+
+    up = Up(tiny_llama.parent, tmp_path, example="local-batch.yaml")
+    try:
+        up.wait_up()
+        assert "/v1/batches" in Path(up.log.name).read_text()  # the banner names it
+        lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "tiny", "prompt": f"Question {i}", "max_tokens": 3}} for i in range(3)]
+        upload = httpx.post(f"{up.base_url}/v1/files", headers=_BATCH_KEY, timeout=30, data={"purpose": "batch"},
+                            files={"file": ("in.jsonl", "\n".join(map(json.dumps, lines)).encode())})
+        assert upload.status_code == 200, upload.text
+        created = httpx.post(f"{up.base_url}/v1/batches", headers=_BATCH_KEY, timeout=30,
+                             json={"input_file_id": upload.json()["id"], "endpoint": "/v1/completions",
+                                   "completion_window": "24h"})
+        assert created.status_code == 200, created.text
+        batch = _wait_batch(up, created.json()["id"])
+        assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 3
+        assert (tmp_path / "batch" / "batches").is_dir()
+        assert stat.S_IMODE((tmp_path / "gateway.yaml").stat().st_mode) == 0o600  # where a batch.redis_url would be
+        assert up.stop() == 0
+        secret = tmp_path / "internal-secret"
+        assert stat.S_IMODE(secret.stat().st_mode) == 0o600  # kept for the next run
+        kept = secret.read_bytes()
+    finally:
+        up.stop()
+    again = Up(tiny_llama.parent, tmp_path, example="local-batch.yaml")  # the same state directory
+    try:
+        again.wait_up()
+        assert (tmp_path / "internal-secret").read_bytes() == kept
+        found = httpx.get(f"{again.base_url}/v1/batches/{batch['id']}", headers=_BATCH_KEY, timeout=10)
+        assert found.status_code == 200 and found.json()["status"] == "completed"
+        output = httpx.get(f"{again.base_url}/v1/files/{batch['output_file_id']}/content", headers=_BATCH_KEY,
+                           timeout=10)
+        assert sorted(json.loads(line)["custom_id"] for line in output.text.splitlines()) == ["q0", "q1", "q2"]
+    finally:
+        again.stop()
