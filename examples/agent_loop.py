@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import openai
+from example_client import Failure, client_for, first_model, run_main
 
 # Small bounds keep a random-weight model's guided output to a few dozen tokens.
 WEATHER_SCHEMA = {
@@ -40,8 +40,6 @@ TOOLS = [{"type": "function", "function": {
 QUESTION = "What will the weather be in Paris for the next three days?"
 
 
-class Failure(Exception):
-    """A failure the loop explains in one line."""
 
 
 def get_weather(city: str, days: int) -> str:
@@ -102,9 +100,7 @@ def run_tool_round(client: openai.OpenAI, model: str, messages: list[dict], roun
 
 
 def run(args: argparse.Namespace) -> None:
-    # Any key for an open-access gateway; the SDK wants one all the same.
-    client = openai.OpenAI(base_url=args.base_url, api_key=os.environ.get("OPENAI_API_KEY") or "none",
-                           max_retries=2, timeout=120)
+    client = client_for(args.base_url)
     model = args.model or first_model(client)
     messages: list[dict] = [{"role": "system", "content": "You answer with the tools you are given."},
                             {"role": "user", "content": QUESTION}]
@@ -117,38 +113,10 @@ def run(args: argparse.Namespace) -> None:
           f"{json.dumps(final.choices[0].message.content)}")
 
 
-def first_model(client: openai.OpenAI) -> str:
-    models = client.models.list().data
-    if not models:
-        raise Failure("the gateway lists no model (GET /models); pass --model")
-    return models[0].id
-
-
-def describe(e: BaseException, base_url: str) -> str:
-    """One line for a failure: what the gateway said, never a traceback (nor the key: no message holds it)."""
-    if isinstance(e, Failure):
-        text = str(e)
-    elif isinstance(e, openai.APIStatusError):
-        error = e.body.get("error", e.body) if isinstance(e.body, dict) else None
-        message = error.get("message") if isinstance(error, dict) else None
-        text = f"the gateway answered {e.status_code}: {message or e.message}"
-    elif isinstance(e, openai.APIConnectionError):
-        text = f"cannot reach the gateway at {base_url} ({e.__cause__ or e}); is it running (`make run`)?"
-    else:
-        text = f"{type(e).__name__}: {e}"
-    return " ".join(text.split())
-
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)  # a bad flag: argparse's usage line and status 2
-    try:
-        run(args)
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # one line, whatever went wrong
-        print(f"agent_loop: {describe(e, args.base_url)}", file=sys.stderr)
-        return 1
-    return 0
+    return run_main("agent_loop", run, args)
 
 
 if __name__ == "__main__":

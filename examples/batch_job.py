@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import openai
+from example_client import Failure, client_for, first_model, run_main
 
 FINAL = ("completed", "failed", "expired", "cancelled")
 
 
-class Failure(Exception):
-    """A failure the job explains in one line."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -105,9 +103,7 @@ def check_returned(ids: list[str], output: list[dict], errors: list[dict]) -> No
 
 
 def run(args: argparse.Namespace) -> None:
-    # Any key for an open-access gateway; the SDK wants one all the same.
-    client = openai.OpenAI(base_url=args.base_url, api_key=os.environ.get("OPENAI_API_KEY") or "none",
-                           max_retries=2, timeout=120)
+    client = client_for(args.base_url)
     model = args.model or first_model(client)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="batch-job-") as tmp:
@@ -142,38 +138,10 @@ def run(args: argparse.Namespace) -> None:
                       f"{first.get('code')}: {first.get('message')}")
 
 
-def first_model(client: openai.OpenAI) -> str:
-    models = client.models.list().data
-    if not models:
-        raise Failure("the gateway lists no model (GET /models); pass --model")
-    return models[0].id
-
-
-def describe(e: BaseException, base_url: str) -> str:
-    """One line for a failure: what the gateway said, never a traceback (nor the key: no message holds it)."""
-    if isinstance(e, Failure):
-        text = str(e)
-    elif isinstance(e, openai.APIStatusError):
-        error = e.body.get("error", e.body) if isinstance(e.body, dict) else None
-        message = error.get("message") if isinstance(error, dict) else None
-        text = f"the gateway answered {e.status_code}: {message or e.message}"
-    elif isinstance(e, openai.APIConnectionError):
-        text = f"cannot reach the gateway at {base_url} ({e.__cause__ or e}); is it running?"
-    else:
-        text = f"{type(e).__name__}: {e}"
-    return " ".join(text.split())
-
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)  # a bad flag: argparse's usage line and status 2
-    try:
-        run(args)
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # one line, whatever went wrong
-        print(f"batch_job: {describe(e, args.base_url)}", file=sys.stderr)
-        return 1
-    return 0
+    return run_main("batch_job", run, args)
 
 
 if __name__ == "__main__":

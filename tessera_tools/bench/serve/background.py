@@ -30,15 +30,13 @@ from pathlib import Path
 
 import yaml
 
-from engine_pod.server.process import EnginePodProcess
 from gateway.priority import BUILTIN_CLASSES
-from gateway.process import GatewayProcess
 from gateway.tenants import hash_api_key
 from tessera_tools.bench.common import markdown_table, rotated, work_dir, write_report
 from tessera_tools.bench.serve.background_batch import BackgroundBatch, batch_input
 from tessera_tools.bench.serve.client import ServeClient
 from tessera_tools.bench.serve.dataset import ServeRequest, synthetic_requests
-from tessera_tools.bench.serve.peer import SERVED_MODEL_NAME, peer_settings, tessera_pod_args
+from tessera_tools.bench.serve.peer import SERVED_MODEL_NAME, peer_settings, start_tessera, tessera_pod_args
 from tessera_tools.bench.serve.runner import Settings, build_dataset, measure_rate, parse_settings, resolve_target
 
 MODES = ("alone", "with-batch")
@@ -141,25 +139,17 @@ def _write_tenants(work: Path) -> tuple[str, dict[str, str]]:
 def _start_platform(args: argparse.Namespace, work: Path,
                     stack: contextlib.ExitStack) -> tuple[str, dict[str, str], list[str]]:
     settings = peer_settings(args)
-    pod_args = [*tessera_pod_args(settings), "--scheduling-policy", "priority"]
+    extra_pod_args = ["--scheduling-policy", "priority"]
     if not args.no_background_yield:
-        pod_args += ["--background-priority", str(BATCH_CLASS.priority),
-                     "--background-max-batched-tokens", str(args.background_max_batched_tokens)]
-    pod = stack.enter_context(EnginePodProcess(settings.model, pod_args, log_path=work / "pod.log"))
-    pod.wait_serving(timeout=600)
+        extra_pod_args += ["--background-priority", str(BATCH_CLASS.priority),
+                           "--background-max-batched-tokens", str(args.background_max_batched_tokens)]
     tenants_file, keys = _write_tenants(work)
-    model = {"name": SERVED_MODEL_NAME, "path": settings.model}
-    if settings.max_model_len:
-        model["max_model_len"] = settings.max_model_len
-    config = {"model": model, "pods": {"static": [{"address": pod.address, "role": "mixed"}]},
-              "tenants_file": tenants_file,
-              "batch": {"directory": str(work / "batch-store"), "priority_class": BATCH_CLASS.name,
-                        "max_concurrency": args.background_concurrency, "poll_interval_s": 0.2,
-                        "retry_interval_s": 0.2}}
-    gateway = stack.enter_context(GatewayProcess(config, work, log_path=work / "gateway.log"))
-    gateway.wait_ready(num_pods=1)
-    print(f"engine pod {' '.join(pod_args)}; gateway {gateway.base_url}; logs in {work}")
-    return gateway.base_url + "/v1", keys, pod_args
+    batch = {"directory": str(work / "batch-store"), "priority_class": BATCH_CLASS.name,
+             "max_concurrency": args.background_concurrency, "poll_interval_s": 0.2, "retry_interval_s": 0.2}
+    base_url = start_tessera(settings, work, stack, extra_pod_args, {"tenants_file": tenants_file, "batch": batch})
+    pod_args = [*tessera_pod_args(settings), *extra_pod_args]
+    print(f"engine pod {' '.join(pod_args)}; gateway {base_url}; logs in {work}")
+    return base_url, keys, pod_args
 
 
 def main(args: argparse.Namespace) -> int:

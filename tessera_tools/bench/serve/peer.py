@@ -170,13 +170,18 @@ def print_comparison(rates: list[float], by_side: dict[str, list[dict]], found: 
           f"{_fmt(found['vllm_p99_ttft_ms'], 1)} ms ({'no worse' if found['ttft_p99_no_worse'] else 'worse'})")
 
 
-def _start_tessera(settings: VLLMSettings, work: Path, stack) -> str:
-    pod = stack.enter_context(EnginePodProcess(settings.model, tessera_pod_args(settings), log_path=work / "pod.log"))
+def start_tessera(settings: VLLMSettings, work: Path, stack, extra_pod_args: list[str] = (),
+                  extra_gateway_config: dict | None = None) -> str:
+    """One engine pod with `settings` (and `extra_pod_args`) behind a gateway (its config plus
+    `extra_gateway_config`), both closed with `stack`; the gateway's API root."""
+    pod_args = [*tessera_pod_args(settings), *extra_pod_args]
+    pod = stack.enter_context(EnginePodProcess(settings.model, pod_args, log_path=work / "pod.log"))
     pod.wait_serving(timeout=600)
     model = {"name": SERVED_MODEL_NAME, "path": settings.model}
     if settings.max_model_len:
         model["max_model_len"] = settings.max_model_len
-    config = {"model": model, "pods": {"static": [{"address": pod.address, "role": "mixed"}]}}
+    config = {"model": model, "pods": {"static": [{"address": pod.address, "role": "mixed"}]},
+              **(extra_gateway_config or {})}
     gateway = stack.enter_context(GatewayProcess(config, work, log_path=work / "gateway.log"))
     gateway.wait_ready(num_pods=1)
     return gateway.base_url + "/v1"
@@ -200,7 +205,7 @@ def main(args: argparse.Namespace) -> int:
     with work_dir(args.logs, "tessera-bench-serve-peer-") as work:
         try:
             with contextlib.ExitStack() as stack:
-                tessera_url = _start_tessera(peer, work, stack)
+                tessera_url = start_tessera(peer, work, stack)
                 server = stack.enter_context(VLLMServer(peer, SERVED_MODEL_NAME, log_path=work / "vllm.log"))
                 server.wait_ready()
                 print(f"tessera at {tessera_url}, vllm at {server.base_url} ({peer.dtype}, "

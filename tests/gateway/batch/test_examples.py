@@ -25,6 +25,8 @@ KEY = KEYS["alice"]
 
 
 def _example_module(name: str):
+    if str(EXAMPLES) not in sys.path:  # as `python examples/NAME.py` has it: its sibling example_client
+        sys.path.insert(0, str(EXAMPLES))
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
