@@ -163,6 +163,20 @@ class Scheduler:
         queued = itertools.chain(self.waiting, self.waiting_for_fsm, self.waiting_for_lora)
         return sum(not self.background.is_background(r) for r in queued)
 
+    def kv_cache_usage_foreground(self) -> float:
+        """The KV pool's usage as an interactive request sees it: blocks only
+        background requests hold count as free, since it would preempt them
+        for the room (the pool's own usage without a background class)."""
+        pool = self.kv_cache_manager.block_pool
+        if self.background.threshold is None:
+            return pool.get_usage()
+        reclaimable = sum(
+            b.ref_cnt == 1
+            for r in self.running if self.background.is_background(r)
+            for b in self.kv_cache_manager.req_to_blocks.get(r.request_id, ())
+        )
+        return 1.0 - (pool.get_num_free_blocks() + reclaimable) / pool.num_blocks
+
     def num_pending_prefill_tokens(self) -> int:
         """Tokens the pod must still compute before its requests decode: the
         uncomputed tokens of each request (prompt, and after a preemption its

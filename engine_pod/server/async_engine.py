@@ -62,6 +62,8 @@ class LoadSnapshot:
     num_pending_prefill_tokens: int = 0
     num_waiting_foreground: int = 0
     """Waiting requests other than background ones (Scheduler.num_waiting_foreground)."""
+    kv_cache_usage_foreground: float = 0.0
+    """The KV usage an interactive request sees (Scheduler.kv_cache_usage_foreground)."""
 
 
 class EngineDeadError(RuntimeError):
@@ -219,4 +221,5 @@ class AsyncEngine:
         self.snapshot = LoadSnapshot(
             len(scheduler.running), scheduler.num_waiting, pool.get_num_free_blocks(), pool.get_usage(),
             scheduler.num_pending_prefill_tokens(), scheduler.num_waiting_foreground(),
+            scheduler.kv_cache_usage_foreground(),
         )

@@ -164,6 +164,21 @@ def test_the_load_the_gateway_sees_leaves_background_requests_out():
     assert (plain.num_waiting_foreground(), plain.num_pending_prefill_tokens()) == (1, 29)
 
 
+def test_blocks_only_background_requests_hold_count_as_free_to_the_gateway():
+    sched = bg_sched(num_blocks=10, max_num_batched_tokens=64)
+    sched.add_request(make_req("batch", 12, max_tokens=4, priority=BG))  # 3 blocks of 4
+    sched.add_request(make_req("chat", 8, max_tokens=4, priority=10, arrival=1.0))  # 2 blocks
+    step(sched)  # the chat prompt alone (the batch line yields)
+    step(sched)  # the chat decodes: the batch line's prompt runs beside it
+    pool = sched.kv_cache_manager.block_pool
+    assert pool.get_usage() == pytest.approx(6 / 10)  # 3 + 3 (the chat's 9th token opened a third block)
+    assert sched.kv_cache_usage_foreground() == pytest.approx(3 / 10)
+    plain = make_sched(num_blocks=10, policy="priority")
+    plain.add_request(make_req("batch", 12, max_tokens=4, priority=BG))
+    step(plain)
+    assert plain.kv_cache_usage_foreground() == plain.kv_cache_manager.block_pool.get_usage() == pytest.approx(0.3)
+
+
 @pytest.mark.parametrize("cfg, message", [
     ({"background_priority": 5}, "needs scheduling_policy 'priority'"),
     ({"background_priority": True, "policy": "priority"}, "background_priority must be an integer"),
