@@ -501,6 +501,8 @@ class Scheduler:
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=self.num_waiting,
+            num_background_running=sum(map(self.background.is_background, self.running)),
+            num_background_waiting=self.num_waiting - self.num_waiting_foreground(),
             num_kv_blocks_used=pool.num_blocks - pool.get_num_free_blocks(),
             num_kv_blocks_free=pool.get_num_free_blocks(),
             kv_cache_usage=pool.get_usage(),

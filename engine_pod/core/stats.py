@@ -46,6 +46,9 @@ class SpecDecodeStats:
 class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
+    # Of those, background requests (SchedulerConfig.background_priority).
+    num_background_running: int = 0
+    num_background_waiting: int = 0
     num_kv_blocks_used: int = 0
     num_kv_blocks_free: int = 0
     kv_cache_usage: float = 0.0

@@ -34,6 +34,10 @@ class EngineMetrics:
 
         self.num_requests_running = gauge("tessera_num_requests_running", "Requests in the running set")
         self.num_requests_waiting = gauge("tessera_num_requests_waiting", "Requests waiting to be scheduled")
+        self.num_background_running = gauge("tessera_num_background_requests_running",
+                                            "Background requests (batch lines) in the running set")
+        self.num_background_waiting = gauge("tessera_num_background_requests_waiting",
+                                            "Background requests (batch lines) waiting to be scheduled")
         self.kv_cache_usage = gauge("tessera_kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)")
         self.prefix_cache_queries = counter("tessera_prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache")
@@ -67,6 +71,8 @@ class EngineMetrics:
     def on_step(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self.num_background_running.set(stats.num_background_running)
+        self.num_background_waiting.set(stats.num_background_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)

@@ -158,6 +158,8 @@ def test_the_load_the_gateway_sees_leaves_background_requests_out():
     sched.add_request(make_req("batch", 30, max_tokens=4, priority=BG, arrival=1.0))
     sched.add_request(make_req("other-chat", 5, max_tokens=4, priority=0, arrival=2.0))
     assert (sched.num_waiting, sched.num_waiting_foreground()) == (3, 2)
+    stats = sched.make_stats()
+    assert (stats.num_waiting_reqs, stats.num_background_waiting, stats.num_background_running) == (3, 1, 0)
     assert sched.num_pending_prefill_tokens() == 5 + 4  # the chat prompts, less the token each decodes first
     plain = make_sched(policy="priority")
     plain.add_request(make_req("batch", 30, max_tokens=4, priority=BG))
@@ -173,6 +175,7 @@ def test_blocks_only_background_requests_hold_count_as_free_to_the_gateway():
     pool = sched.kv_cache_manager.block_pool
     assert pool.get_usage() == pytest.approx(6 / 10)  # 3 + 3 (the chat's 9th token opened a third block)
     assert sched.kv_cache_usage_foreground() == pytest.approx(3 / 10)
+    assert (sched.make_stats().num_running_reqs, sched.make_stats().num_background_running) == (2, 1)
     plain = make_sched(num_blocks=10, policy="priority")
     plain.add_request(make_req("batch", 12, max_tokens=4, priority=BG))
     step(plain)
