@@ -112,7 +112,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request body", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc and loc[0] in ("body", "query", "path", "header"):
+        loc = loc[1:]  # where it came from, not a field: "limit", not "query.limit"
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('msg')}", None
     if not loc:  # the body as a whole: not a JSON object (or sent without Content-Type: application/json)
