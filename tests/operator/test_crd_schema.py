@@ -112,7 +112,10 @@ def test_the_kv_channel_defaults_to_redis_with_a_1gi_inbox():
     assert spec["disaggregation"] == {"minUncachedTokens": 256, "kvChannel": "redis", "inboxBytes": "1Gi"}
 
 
-@pytest.mark.parametrize("inbox", [0, 1 << 30, "0", "512Mi", "+2Gi", "1.5Gi", "4e9"])
+VALID_INBOXES = [0, 1 << 30, "0", "512Mi", "+2Gi", "1.5Gi", "4e9"]
+
+
+@pytest.mark.parametrize("inbox", VALID_INBOXES)
 def test_an_inbox_is_any_size_from_zero(inbox):
     obj = make_isvc({"mode": "disaggregated", "disaggregation": {"kvChannel": "direct", "inboxBytes": inbox}})
     assert reference_errors(obj) == []
@@ -221,9 +224,12 @@ def test_missing_required_and_bad_header():
     assert {"spec.model.name", "kind"} <= paths
 
 
+# "trailing\n": the API server's RE2 `$` is the end of the text, not a final newline (Python's).
+BAD_NAMES = ["x" * 51, "Upper", "1starts-with-digit", "trailing\n"]
+
+
 def test_long_or_odd_names_are_rejected():
-    # "trailing\n": the API server's RE2 `$` is the end of the text, not a final newline (Python's).
-    for name in ("x" * 51, "Upper", "1starts-with-digit", "trailing\n"):
+    for name in BAD_NAMES:
         with pytest.raises(InvalidInferenceService, match="metadata.name"):
             validate_inference_service(make_isvc(name=name))
     validate_inference_service(make_isvc(name="a" * 50))
@@ -266,7 +272,7 @@ def test_batch_cross_field_errors_say_what_to_change(change, message):
     assert len(info.value.errors) == 1
 
 
-@pytest.mark.parametrize("change", [
+VALID_BATCH_SPECS = [
     {"batch": {"volume": {"claimName": "b"}}},                                   # the default classes
     {"batch": {"volume": {"claimName": "b"}, "priorityClass": "standard"}},     # a class of the default list
     {"gateway": {"replicas": 4}, "batch": {"redis": {"urlSecretRef": {"name": "r"}}}},  # Redis: many replicas
@@ -274,7 +280,10 @@ def test_batch_cross_field_errors_say_what_to_change(change, message):
     {"gateway": {"priorityClasses": [{"name": "standard", "priority": 10, "weight": 4},
                                      {"name": "bulk", "priority": 20, "weight": 1}]},
      "batch": {"volume": {"claimName": "b", "path": "x"}, "priorityClass": "bulk", "maxFileBytes": 1 << 20}},
-])
+]
+
+
+@pytest.mark.parametrize("change", VALID_BATCH_SPECS)
 def test_batch_specs_that_are_valid(change):
     obj = make_isvc(change)
     assert reference_errors(obj) == []
