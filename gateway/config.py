@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ import yaml
 
 from gateway.tool_calls.parsers import parser_names
 from kv_store.block_hash import DEFAULT_BLOCK_SIZE
-from kv_store.redis_tier import check_key_prefix, check_redis_url
+from kv_store.redis_tier import check_key_prefix, check_redis_url, check_tls_files
 from tessera.internal_channel import InternalTLS
 from tessera.lora import LORA_NAME_RE, LORA_NAME_RULE
 from tessera.roles import POD_ROLES
@@ -268,6 +270,12 @@ class InternalConfig:
     tls: InternalTLS | None = None
 
 
+# The gateway reads the Batch API's Redis URL from here when the config has no
+# batch.redis_url (the operator sets it from a Secret: a ConfigMap, like argv, is
+# no place for a password), as the engines read TESSERA_KV_REDIS_URL.
+BATCH_REDIS_URL_ENV = "TESSERA_BATCH_REDIS_URL"
+
+
 @dataclass(frozen=True)
 class BatchConfig:
     """The OpenAI Batch API (/v1/files, /v1/batches: gateway/batch/, docs/batch.md)."""
@@ -277,10 +285,19 @@ class BatchConfig:
     directory the gateway may write, surviving its restarts."""
     redis_url: str | None = field(default=None, repr=False)
     """Where files and batches are kept when several gateway replicas share
-    them (redis://...); takes precedence over `directory`. It may hold a
-    password: never shown."""
+    them (redis://, rediss:// or unix://); takes precedence over `directory`.
+    Absent here, and no `directory` either: the environment variable
+    TESSERA_BATCH_REDIS_URL (BATCH_REDIS_URL_ENV), where a URL holding a
+    password belongs. Never shown."""
     key_prefix: str = "tessera:batch:"
     """Prefix of every Redis key the Batch API writes."""
+    redis_ca_file: str | None = None
+    """rediss:// only: the CA bundle that signs the Redis server's certificate
+    (absent: the system's CAs)."""
+    redis_cert_file: str | None = None
+    """rediss:// only: the client certificate (PEM), for a Redis that demands one."""
+    redis_key_file: str | None = None
+    """rediss:// only: the client certificate's private key (PEM)."""
     priority_class: str | None = None
     """The priority class batch lines run at. None: the sheddable class of
     lowest priority (the largest `priority`), or the lowest one if none sheds."""
@@ -383,18 +400,45 @@ def _check_loras(model: ModelConfig) -> None:
 
 def _check_batch(batch: BatchConfig) -> None:
     _check(batch.directory is not None or batch.redis_url is not None,
-           "batch: give a directory or a redis_url to keep files and batches in")
+           f"batch: give a directory or a redis_url (or set {BATCH_REDIS_URL_ENV}) to keep files and batches in")
     try:  # the KV store's checks: one home for what a Redis URL and a key prefix may be
         if batch.redis_url is not None:
             check_redis_url(batch.redis_url, "batch.redis_url")
         check_key_prefix(batch.key_prefix, "batch.key_prefix")
     except ValueError as e:
         raise GatewayConfigError(str(e)) from None
+    _check_batch_tls(batch)
     for name in ("max_concurrency", "max_file_bytes", "max_lines_per_file", "max_files_per_tenant",
                  "max_batches_per_tenant"):
         _check(getattr(batch, name) >= 1, f"batch.{name} must be >= 1")
     for name in ("lease_s", "poll_interval_s", "retry_interval_s"):
         _check(getattr(batch, name) > 0, f"batch.{name} must be > 0")
+
+
+def _check_batch_tls(batch: BatchConfig) -> None:
+    """The TLS files, by the engines' rules for --kv-redis-*-file (kv_store/redis_tier.py)."""
+    try:
+        check_tls_files(batch.redis_url, batch.redis_ca_file, batch.redis_cert_file, batch.redis_key_file,
+                        "batch.redis_", f"URL (batch.redis_url or {BATCH_REDIS_URL_ENV})")
+    except ValueError as e:
+        raise GatewayConfigError(str(e)) from None
+
+
+def _batch_redis_url_from(data: dict, environ: Mapping[str, str]) -> dict:
+    """`data` with batch.redis_url taken from BATCH_REDIS_URL_ENV when the config has a `batch`
+    section without one (the engines' rule for --kv-redis-url: the config first, else the
+    variable; empty counts as unset). Checked here, so the message names the variable."""
+    batch = data.get("batch")
+    url = environ.get(BATCH_REDIS_URL_ENV)
+    if not isinstance(batch, dict) or batch.get("redis_url") is not None or not url:
+        return data
+    if batch.get("directory") is not None:  # the config chose its store: a stray variable never moves it
+        return data
+    try:
+        check_redis_url(url, BATCH_REDIS_URL_ENV)
+    except ValueError as e:  # its message never shows the URL's credentials
+        raise GatewayConfigError(str(e)) from None
+    return {**data, "batch": {**batch, "redis_url": url}}
 
 
 def _check_tool_call_parser(model: ModelConfig) -> None:
@@ -471,13 +515,16 @@ def _scalar(base: str, value: Any, where: str) -> Any:
     return float(value) if base == "float" else value
 
 
-def gateway_config_from_dict(data: dict) -> GatewayConfig:
+def gateway_config_from_dict(data: dict, environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    """`environ`: where BATCH_REDIS_URL_ENV is looked up (None: nowhere, the mapping alone)."""
     if not isinstance(data, dict) or "model" not in data:
         raise GatewayConfigError("config: a mapping with at least `model` and `pods` is required")
-    return _build(GatewayConfig, data, "")
+    return _build(GatewayConfig, _batch_redis_url_from(data, environ or {}), "")
 
 
-def load_gateway_config(path: str | Path) -> GatewayConfig:
+def load_gateway_config(path: str | Path, environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    """The config file at `path`, with what it leaves to the environment (`environ`, None: this
+    process's): the Batch API's Redis URL (BATCH_REDIS_URL_ENV)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -487,4 +534,4 @@ def load_gateway_config(path: str | Path) -> GatewayConfig:
         data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
     except (yaml.YAMLError, json.JSONDecodeError) as e:
         raise GatewayConfigError(f"config: {path} is not valid YAML/JSON: {e}") from None
-    return gateway_config_from_dict(data)
+    return gateway_config_from_dict(data, os.environ if environ is None else environ)

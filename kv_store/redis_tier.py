@@ -76,22 +76,31 @@ class RedisTierConfig:
         self._check_tls()
 
     def _check_tls(self) -> None:
-        files = {"kv_redis_ca_file": self.ca_file, "kv_redis_cert_file": self.cert_file,
-                 "kv_redis_key_file": self.key_file}
-        for name, path in files.items():
-            if path is None:
-                continue
-            if not self.url.startswith("rediss://"):
-                raise ValueError(f"{name} needs a rediss:// kv_redis_url (TLS)")
-            if not Path(path).is_file():
-                raise ValueError(f"{name}: no such file {path}")
-        if self.key_file is not None and self.cert_file is None:
-            raise ValueError("kv_redis_key_file needs kv_redis_cert_file (the client certificate)")
+        check_tls_files(self.url, self.ca_file, self.cert_file, self.key_file)
 
     def ssl_options(self) -> dict[str, str]:
-        """redis-py's keyword arguments for the TLS files that are set."""
-        options = {"ssl_ca_certs": self.ca_file, "ssl_certfile": self.cert_file, "ssl_keyfile": self.key_file}
-        return {k: v for k, v in options.items() if v is not None}
+        return ssl_options(self.ca_file, self.cert_file, self.key_file)
+
+
+def check_tls_files(url: str | None, ca_file: str | None, cert_file: str | None, key_file: str | None,
+                    prefix: str = "kv_redis_", url_name: str = "kv_redis_url") -> None:
+    """A Redis client's TLS files (named `prefix` + ca_file, cert_file, key_file in
+    messages): each needs a rediss:// `url` and must exist; a key needs its certificate."""
+    for suffix, path in (("ca_file", ca_file), ("cert_file", cert_file), ("key_file", key_file)):
+        if path is None:
+            continue
+        if url is None or not url.startswith("rediss://"):
+            raise ValueError(f"{prefix}{suffix} needs a rediss:// {url_name} (TLS)")
+        if not Path(path).is_file():
+            raise ValueError(f"{prefix}{suffix}: no such file {path}")
+    if key_file is not None and cert_file is None:
+        raise ValueError(f"{prefix}key_file needs {prefix}cert_file (the client certificate)")
+
+
+def ssl_options(ca_file: str | None, cert_file: str | None, key_file: str | None) -> dict[str, str]:
+    """redis-py's keyword arguments for the TLS files that are set."""
+    options = {"ssl_ca_certs": ca_file, "ssl_certfile": cert_file, "ssl_keyfile": key_file}
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def redact_url(url: str) -> str:

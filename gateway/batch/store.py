@@ -26,6 +26,7 @@ import abc
 import asyncio
 import functools
 import json
+import logging
 import os
 import re
 import tempfile
@@ -34,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gateway.batch.signing import RecordSigner, Sealed
+from kv_store.redis_tier import redact_url, ssl_options
 
 # Ids the API hands out: anything else names nothing (and never reaches a path or key).
 FILE_ID_RE = re.compile(r"^file-[0-9a-f]{32}$")
@@ -356,13 +358,17 @@ class RedisStore(BatchStore):
     (sorted by creation), active (set of "<t>@<id>"), results:<id> (hash:
     index -> outcome), cancel:<id>, lease:<id> (the owner, expiring)."""
 
-    def __init__(self, url: str, prefix: str, mac_key: bytes | None = None) -> None:
+    def __init__(self, url: str, prefix: str, mac_key: bytes | None = None, *, ca_file: str | None = None,
+                 cert_file: str | None = None, key_file: str | None = None) -> None:
+        """`ca_file`, `cert_file`, `key_file`: TLS files for a rediss:// `url` (BatchConfig's
+        redis_ca_file ...), passed to redis-py as the KV store's Redis tier passes its own."""
         import redis.asyncio as aioredis
 
         self._signer = RecordSigner(mac_key)
 
         # Every call has a deadline: a Redis that stops answering fails the call, not the gateway.
-        self._redis = aioredis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
+        self._redis = aioredis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5,
+                                              **ssl_options(ca_file, cert_file, key_file))
         self._p = prefix
         self._claim = self._redis.register_script(_CLAIM_LUA)
         self._release = self._redis.register_script(_RELEASE_LUA)
@@ -474,8 +480,13 @@ FINAL_STATUSES = frozenset({"failed", "completed", "expired", "cancelled"})
 
 
 def open_store(config, mac_key: bytes | None) -> BatchStore:
-    """The store a BatchConfig names: Redis if it gives a URL, else its directory.
+    """The store a BatchConfig names: Redis if it gives a URL (the config loader has put
+    TESSERA_BATCH_REDIS_URL's there when the file had none), else its directory.
     `mac_key`: the key its records are signed with (signing.batch_mac_key); None: unsigned."""
     if config.redis_url:
-        return RedisStore(config.redis_url, config.key_prefix, mac_key)
+        # Where the URL came from (the file or the environment) is not told apart: say which store it is.
+        logging.getLogger(__name__).info("batch: files and batches in Redis at %s, keys under %r",
+                                         redact_url(config.redis_url), config.key_prefix)
+        return RedisStore(config.redis_url, config.key_prefix, mac_key, ca_file=config.redis_ca_file,
+                          cert_file=config.redis_cert_file, key_file=config.redis_key_file)
     return DirectoryStore(config.directory, mac_key)

@@ -1,5 +1,6 @@
-"""spec.batch rendered: the gateway config's `batch` section, the gateway pod's store volume, and
-the engine pods' background priority (the Batch API, docs/batch.md).
+"""spec.batch rendered: the gateway config's `batch` section, the gateway pod's store volume or
+Redis URL (an environment variable from the Secret, never in the ConfigMap or the command line)
+and Redis TLS files, and the engine pods' background priority (the Batch API, docs/batch.md).
 
 The class batch lines run at comes from the gateway's own rule (gateway/batch/runner.py
 `batch_priority_class`, imported: one home), so the engines' --background-priority is the
@@ -9,10 +10,10 @@ priority of the very class the gateway's runner submits lines at.
 from __future__ import annotations
 
 from gateway.batch.runner import batch_priority_class
+from gateway.config import BATCH_REDIS_URL_ENV  # the gateway reads the batch Redis URL from it
 from gateway.priority import PriorityClass, PriorityClasses
-from tessera_operator import crd_batch, names, pod_parts
+from tessera_operator import crd_batch, names, pod_parts, secret_files
 from tessera_operator.names import Owner
-from tessera_operator.validation import FieldError
 
 # Where the gateway pod mounts spec.batch.volume (read-write; the root filesystem is read-only).
 MOUNT = "/var/lib/tessera/batch"
@@ -32,7 +33,8 @@ def directory(batch: dict) -> str:
 
 def gateway_section(owner: Owner, spec: dict) -> dict | None:
     """The gateway config's `batch` (gateway/config.py BatchConfig), or None: the API is off.
-    With redis, the URL is not here: it is a credential (see cluster_problems)."""
+    With redis, the URL is not here, a credential in a ConfigMap: the gateway reads it from its
+    environment (`env`); the TLS files' paths are (secret_files.batch_redis_tls_config)."""
     batch = spec.get("batch")
     if batch is None:
         return None
@@ -41,6 +43,7 @@ def gateway_section(owner: Owner, spec: dict) -> dict | None:
         section["directory"] = directory(batch)
     else:
         section["key_prefix"] = key_prefix(owner, batch["redis"])
+        section.update(secret_files.batch_redis_tls_config(spec))
     if "priorityClass" in batch:
         section["priority_class"] = batch["priorityClass"]
     for field, key, _ in crd_batch.LIMITS:
@@ -48,21 +51,25 @@ def gateway_section(owner: Owner, spec: dict) -> dict | None:
     return section
 
 
-def cluster_problems(spec: dict) -> list[FieldError]:
-    """What the schema takes but a cluster cannot run yet (`tessera up` can)."""
-    if "redis" in (spec.get("batch") or {}):
-        return [FieldError("spec.batch.redis", "not served in a cluster yet: the gateway reads batch.redis_url "
-                                               "only from its config file, and the operator never puts a "
-                                               "credential into a ConfigMap; use batch.volume (one gateway "
-                                               "replica)")]
-    return []
+def uses_redis(spec: dict) -> bool:
+    return "redis" in (spec.get("batch") or {})
+
+
+def env(spec: dict) -> list[dict]:
+    """The gateway container's BATCH_REDIS_URL_ENV from spec.batch.redis.urlSecretRef (none else)."""
+    if not uses_redis(spec):
+        return []
+    ref = spec["batch"]["redis"]["urlSecretRef"]
+    return [{"name": BATCH_REDIS_URL_ENV, "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}}]
 
 
 def volumes(spec: dict) -> tuple[list[dict], list[dict]]:
-    """The gateway pod's volume and the container's read-write mount of spec.batch.volume (none else)."""
+    """The gateway pod's volumes and the container's mounts: spec.batch.volume read-write, or
+    spec.batch.redis.tls's Secrets read-only (none else)."""
     batch = spec.get("batch") or {}
     if "volume" not in batch:
-        return [], []
+        files = secret_files.batch_redis_tls(spec)
+        return files.volumes, files.mounts
     return ([{"name": VOLUME, "persistentVolumeClaim": {"claimName": batch["volume"]["claimName"]}}],
             [{"name": VOLUME, "mountPath": MOUNT}])
 

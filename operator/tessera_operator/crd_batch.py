@@ -7,7 +7,8 @@ the two cannot drift apart.
 
 from __future__ import annotations
 
-from gateway.config import BatchConfig
+from gateway.config import BATCH_REDIS_URL_ENV, BatchConfig
+from tessera_operator.crd_engine import redis_tls_schema
 from tessera_operator.schema_dsl import Schema, integer, obj, pvc_source, secret_key_ref, string
 
 # Exactly one store: a directory on a volume (one gateway replica) or Redis (several).
@@ -47,12 +48,14 @@ def batch_schema() -> Schema:
                                 "also becomes the engine pods' --background-priority when it is larger than "
                                 "defaultPriorityClass's.", min_length=1, max_length=63),
         **limits,
-        "redis": obj("Keep files and batches in Redis, which several gateway replicas share. Not served by the "
-                     "operator yet: the gateway reads the Redis URL only from its config file, and a credential "
-                     "never goes into a ConfigMap (`tessera up` serves it, with the Redis it starts for "
-                     "kvStore.redis).", {
+        "redis": obj("Keep files and batches in Redis, which several gateway replicas share. It may be "
+                     "kvStore.redis's Redis (the default keyPrefix lies in this InferenceService's KV key "
+                     "space); kvStore.redis.podSelector's NetworkPolicy then admits the gateway pods too.", {
             "urlSecretRef": secret_key_ref("Secret key holding the redis:// or rediss:// URL (it may carry a "
-                                           "password).", default_key="url"),
+                                           "password); the gateway pods get it as the environment variable "
+                                           f"{BATCH_REDIS_URL_ENV}, never in their ConfigMap or on their "
+                                           "command line.", default_key="url"),
+            "tls": redis_tls_schema("gateway pods"),
             "keyPrefix": string("Prefix of every Redis key the Batch API writes (absent: "
                                 "tessera:NAMESPACE/NAME:batch:, inside this InferenceService's KV key space, so "
                                 "one Redis ACL `~tessera:NAMESPACE/NAME:*` covers both). No spaces or glob "

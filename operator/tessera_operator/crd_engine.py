@@ -195,11 +195,12 @@ def kv_store_schema() -> Schema:
                                            "password); the engine pods get it as an environment variable, "
                                            "never on their command line.",
                                            default_key="url"),
-            "tls": _redis_tls(),
+            "tls": redis_tls_schema("engine pods"),
             "podSelector": string_map("Labels of the Redis pods (in this namespace): a NetworkPolicy then "
-                                      "admits only this InferenceService's engine pods to them, on `port` "
-                                      "(absent: no policy for Redis). The policy isolates those pods: "
-                                      "replication or monitoring traffic to them needs a policy of its own."),
+                                      "admits only this InferenceService's engine pods to them, and its "
+                                      "gateway pods too with batch.redis, on `port` (absent: no policy for "
+                                      "Redis). The policy isolates those pods: replication or monitoring "
+                                      "traffic to them needs a policy of its own."),
             "port": integer("Redis's port, for that NetworkPolicy.", default=DEFAULT_REDIS_PORT, minimum=1,
                             maximum=65535),
             "timeoutSeconds": number("Seconds each Redis call of an engine pod may take; a slower one is a miss "
@@ -210,13 +211,14 @@ def kv_store_schema() -> Schema:
     }, default={})
 
 
-def _redis_tls() -> Schema:
-    return obj("TLS files for a rediss:// URL, from Secrets mounted read-only into the engine pods (absent: "
+def redis_tls_schema(pods: str) -> Schema:
+    """A Redis's TLS files (kvStore.redis.tls, batch.redis.tls: one shape), mounted into `pods`."""
+    return obj(f"TLS files for a rediss:// URL, from Secrets mounted read-only into the {pods} (absent: "
                "the system's CAs, no client certificate). With cert-manager, both refs can name the one "
                "Certificate Secret (ca.crt, tls.crt, tls.key).", {
         "caSecretRef": secret_key_ref("Secret key holding the CA bundle that signs the Redis server's "
                                       "certificate.", default_key="ca.crt"),
-        "clientCertSecretRef": obj("A kubernetes.io/tls Secret (tls.crt, tls.key): the engine pods' client "
+        "clientCertSecretRef": obj(f"A kubernetes.io/tls Secret (tls.crt, tls.key): the {pods}' client "
                                    "certificate, for a Redis that demands one (tls-auth-clients).", {
             "name": string("Name of the Secret, in the InferenceService's namespace.", min_length=1),
         }, required=["name"]),

@@ -170,7 +170,8 @@ def _internal_tls() -> Schema:
 def _network_policy() -> Schema:
     return obj("NetworkPolicies: engine pods' gRPC port only from this InferenceService's gateway (and engine) "
                "pods, metrics ports only from the operator's namespace and `metricsNamespaces`, Redis (with "
-               "kvStore.redis.podSelector) only from its engine pods. The gateway's public ports stay open. "
+               "kvStore.redis.podSelector) only from its engine pods (and its gateway pods with batch.redis). "
+               "The gateway's public ports stay open. "
                "They take effect where the network plugin enforces NetworkPolicies.", {
         "enabled": boolean("Render the NetworkPolicies (false: none, pods accept any peer the network lets "
                            "through).", default=True),

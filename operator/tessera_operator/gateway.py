@@ -135,7 +135,7 @@ def deployment(owner: Owner, spec: dict) -> dict:
         "livenessProbe": _probe("/health/live", 10, 6),
         "lifecycle": pod_parts.prestop_sleep(),
         "env": (secret_files.internal_secret_env() + pod_parts.SCRATCH_ENV
-                + pod_parts.tracing_env(spec, GATEWAY_SERVICE_NAME)),
+                + pod_parts.tracing_env(spec, GATEWAY_SERVICE_NAME) + batch.env(spec)),
         "securityContext": pod_parts.container_security_context(),
         "volumeMounts": mounts,
     }

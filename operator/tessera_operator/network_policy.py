@@ -6,8 +6,8 @@
   channel's data path); the metrics port only from the operator's namespace (the autoscaler
   scrapes it) and the namespaces in spec.networkPolicy.metricsNamespaces.
 - Gateway pods: REST and gRPC from anywhere (the public entry point); metrics as above.
-- Redis, when kvStore.redis.podSelector names its pods: only this InferenceService's engine pods,
-  on kvStore.redis.port.
+- Redis, when kvStore.redis.podSelector names its pods: only this InferenceService's engine pods
+  (and its gateway pods when spec.batch.redis keeps the Batch API there), on kvStore.redis.port.
 
 Only Ingress is restricted. Traffic from a pod's own node (kubelet probes) is always allowed.
 Policies add up: two InferenceServices sharing one Redis both get in.
@@ -15,7 +15,7 @@ Policies add up: two InferenceServices sharing one Redis both get in.
 
 from __future__ import annotations
 
-from tessera_operator import engine_pool, gateway, names, pod_parts
+from tessera_operator import batch, engine_pool, gateway, names, pod_parts
 from tessera_operator.names import Owner
 
 API_VERSION = "networking.k8s.io/v1"
@@ -85,11 +85,17 @@ def gateway_policy(owner: Owner, spec: dict, operator_namespace: str | None) -> 
 
 
 def redis_policy(owner: Owner, spec: dict) -> dict | None:
+    """kvStore.redis's pods: this service's engine pods, and its gateway pods when spec.batch.redis
+    keeps batches in Redis (the operator cannot tell whether that is the same Redis; most often it
+    is, its default key prefix lying in the service's KV key space, and a policy that isolated it
+    from the gateway would break the Batch API)."""
     redis = spec["kvStore"].get("redis") or {}
     if not redis.get("podSelector"):
         return None
-    ingress = [{"from": [{"podSelector": {"matchLabels": names.selector(owner, "engine")}}],
-                "ports": [_tcp(redis["port"])]}]
+    peers = [{"podSelector": {"matchLabels": names.selector(owner, "engine")}}]
+    if batch.uses_redis(spec):
+        peers.append({"podSelector": {"matchLabels": names.selector(owner, "gateway")}})
+    ingress = [{"from": peers, "ports": [_tcp(redis["port"])]}]
     return _policy(owner, names.redis_policy_name(owner), names.labels(owner, "redis"), dict(redis["podSelector"]),
                    ingress)
 

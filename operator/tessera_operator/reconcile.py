@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera_operator import batch, engine_pool, gateway, names, network_policy
+from tessera_operator import engine_pool, gateway, names, network_policy
 from tessera_operator.names import Owner
-from tessera_operator.validation import InvalidInferenceService, validate_inference_service
+from tessera_operator.validation import validate_inference_service
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,6 @@ def desired_objects(body: dict, replicas: dict[str, int] | None = None,
     """
     isvc = validated(body)
     spec, status = isvc["spec"], body.get("status") or {}
-    problems = batch.cluster_problems(spec)
-    if problems:
-        raise InvalidInferenceService(problems)
     owner = Owner.of(isvc)
     objects = gateway.rbac(owner) + [gateway.config_map(owner, spec)]
     objects += network_policy.policies(owner, spec, operator_namespace)

@@ -1,8 +1,8 @@
 """Secrets the pods read as files, never as command-line arguments (/proc/*/cmdline is
 world-readable): the deployment's internal secret, the internal TLS certificate, Redis's TLS
-files (and the gateway's tenants file, through `mounted_secret`). Each part gives the Secret
-volumes, their read-only mounts, and the flags, config or environment that point the process at
-the files.
+files (kvStore.redis's in the engine pods, batch.redis's in the gateway pods), and the gateway's
+tenants file, through `mounted_secret`. Each part gives the Secret volumes, their read-only
+mounts, and the flags, config or environment that point the process at the files.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ INTERNAL_SECRET_DIR = "/etc/tessera/internal"
 INTERNAL_TLS_DIR = "/etc/tessera/internal-tls"
 REDIS_CA_DIR = "/etc/tessera/redis-tls/ca"
 REDIS_CLIENT_DIR = "/etc/tessera/redis-tls/client"
+BATCH_REDIS_CA_DIR = "/etc/tessera/batch-redis-tls/ca"
+BATCH_REDIS_CLIENT_DIR = "/etc/tessera/batch-redis-tls/client"
 # What cert-manager (and kubectl create secret tls) name the files of a kubernetes.io/tls Secret.
 TLS_CERT, TLS_KEY, TLS_CA = "tls.crt", "tls.key", "ca.crt"
 # Owner and group (the pod's fsGroup) may read; nobody may write.
@@ -91,26 +93,53 @@ def gateway_tls_config(spec: dict) -> dict | None:
             "key_file": f"{INTERNAL_TLS_DIR}/{TLS_KEY}", "server_name": tls["serverName"]}
 
 
-# -- TLS to Redis (engine pods) ------------------------------------------------------
+# -- TLS to Redis: kvStore.redis.tls (engine pods), batch.redis.tls (gateway pods) -----
 
-def redis_tls(spec: dict) -> SecretFiles:
-    tls = (spec["kvStore"].get("redis") or {}).get("tls") or {}
+def _redis_tls_files(tls: dict, volume_prefix: str, ca_dir: str, client_dir: str) -> SecretFiles:
     out = SecretFiles()
     if "caSecretRef" in tls:
         ref = tls["caSecretRef"]
-        out += mounted_secret("redis-ca", ref["name"], {ref["key"]: TLS_CA}, REDIS_CA_DIR)
+        out += mounted_secret(f"{volume_prefix}-ca", ref["name"], {ref["key"]: TLS_CA}, ca_dir)
     if "clientCertSecretRef" in tls:
-        out += mounted_secret("redis-client-cert", tls["clientCertSecretRef"]["name"],
-                              {TLS_CERT: TLS_CERT, TLS_KEY: TLS_KEY}, REDIS_CLIENT_DIR)
+        out += mounted_secret(f"{volume_prefix}-client-cert", tls["clientCertSecretRef"]["name"],
+                              {TLS_CERT: TLS_CERT, TLS_KEY: TLS_KEY}, client_dir)
     return out
 
 
-def redis_tls_args(spec: dict) -> list[str]:
-    tls = (spec["kvStore"].get("redis") or {}).get("tls") or {}
-    args = []
+def _redis_tls_paths(tls: dict, ca_dir: str, client_dir: str) -> dict[str, str]:
+    """ca_file, cert_file, key_file: where the mounted files are, for those the spec names."""
+    paths = {}
     if "caSecretRef" in tls:
-        args += ["--kv-redis-ca-file", f"{REDIS_CA_DIR}/{TLS_CA}"]
+        paths["ca_file"] = f"{ca_dir}/{TLS_CA}"
     if "clientCertSecretRef" in tls:
-        args += ["--kv-redis-cert-file", f"{REDIS_CLIENT_DIR}/{TLS_CERT}",
-                 "--kv-redis-key-file", f"{REDIS_CLIENT_DIR}/{TLS_KEY}"]
-    return args
+        paths["cert_file"], paths["key_file"] = f"{client_dir}/{TLS_CERT}", f"{client_dir}/{TLS_KEY}"
+    return paths
+
+
+def _kv_redis_tls(spec: dict) -> dict:
+    return (spec["kvStore"].get("redis") or {}).get("tls") or {}
+
+
+def redis_tls(spec: dict) -> SecretFiles:
+    return _redis_tls_files(_kv_redis_tls(spec), "redis", REDIS_CA_DIR, REDIS_CLIENT_DIR)
+
+
+def redis_tls_args(spec: dict) -> list[str]:
+    flags = {"ca_file": "--kv-redis-ca-file", "cert_file": "--kv-redis-cert-file", "key_file": "--kv-redis-key-file"}
+    paths = _redis_tls_paths(_kv_redis_tls(spec), REDIS_CA_DIR, REDIS_CLIENT_DIR)
+    return [arg for name, path in paths.items() for arg in (flags[name], path)]
+
+
+def _batch_redis_tls(spec: dict) -> dict:
+    return ((spec.get("batch") or {}).get("redis") or {}).get("tls") or {}
+
+
+def batch_redis_tls(spec: dict) -> SecretFiles:
+    """batch.redis.tls's Secrets, mounted into the gateway pods."""
+    return _redis_tls_files(_batch_redis_tls(spec), "batch-redis", BATCH_REDIS_CA_DIR, BATCH_REDIS_CLIENT_DIR)
+
+
+def batch_redis_tls_config(spec: dict) -> dict[str, str]:
+    """The gateway config's batch.redis_ca_file, redis_cert_file, redis_key_file (those set)."""
+    paths = _redis_tls_paths(_batch_redis_tls(spec), BATCH_REDIS_CA_DIR, BATCH_REDIS_CLIENT_DIR)
+    return {f"redis_{name}": path for name, path in paths.items()}

@@ -6,8 +6,9 @@ engine command lines and the gateway config the operator would render,
 changed only where a machine differs from a cluster: loopback ports instead
 of Services, a local folder instead of the PVC, cores split between pods.
 Credentials stay off the command lines here too: the Redis URL goes in the
-engines' environment (`EngineChild.env`), and the runner hands every child
-the internal secret as a file.
+engines' environment (`EngineChild.env`) and, for the Batch API, the gateway's
+(`LocalPlan.gateway_env`), never in its config file; the runner hands every
+child the internal secret as a file.
 
 The Batch API (spec.batch) keeps its files and batches where they outlive a
 run: `batch.volume` is a folder under the run's state directory (what
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.config import BATCH_REDIS_URL_ENV
 from tessera_operator import engine_pool, gateway, names
 from tessera_operator.names import Owner
 from tessera_operator.validation import validate_inference_service
@@ -61,6 +63,9 @@ class LocalPlan:
     batch_directory: Path | None = None
     # Whether the gateway serves the Batch API (/v1/files, /v1/batches).
     batch: bool = False
+    # The gateway's environment beyond the parent's: spec.batch.redis's URL (it may carry a password),
+    # else that variable blanked.
+    gateway_env: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)
@@ -134,31 +139,37 @@ def build_plan(resource: dict, options: LocalOptions, free_port: Callable[[], in
                                    kv_inbox_port))
     gateway_metrics_port = options.metrics_port or free_port()
     config = _gateway_config(owner, spec, model_path, engines, options, gateway_metrics_port)
-    batch_directory = _local_batch(config, spec, options, owner.name)
+    batch_directory, gateway_env = _local_batch(config, spec, options, owner.name)
     return LocalPlan(owner.name, spec["model"]["name"], engines, config,
                      needs_redis="redis" in spec["kvStore"], metrics_port=gateway_metrics_port,
-                     warnings=_warnings(spec), batch_directory=batch_directory, batch="batch" in config)
+                     warnings=_warnings(spec), batch_directory=batch_directory, batch="batch" in config,
+                     gateway_env=gateway_env)
 
 
-def _local_batch(config: dict, spec: dict, options: LocalOptions, name: str) -> Path | None:
+def _local_batch(config: dict, spec: dict, options: LocalOptions, name: str) -> tuple[Path | None, dict[str, str]]:
     """The gateway config's `batch` made local: a folder under the state directory for a volume;
-    for redis, the URL of the run's kvStore.redis (it lands in the gateway's config file, which the
-    runner keeps private: no ConfigMap here). Returns the folder, if any."""
+    for redis, the URL of the run's kvStore.redis, in the gateway's environment as the operator's
+    pods get it (BATCH_REDIS_URL_ENV), never in its config file. Returns the folder, if any, and
+    that environment."""
+    # Without batch.redis, a URL inherited from this shell is blanked (empty counts as unset): the
+    # gateway would keep batches there rather than in the folder.
     section = config.get("batch")
     if section is None:
-        return None
+        return None, {BATCH_REDIS_URL_ENV: ""}
     if "volume" in spec["batch"]:
         folder = local_batch_directory(spec["batch"]["volume"], state_dir(options, name))
         section["directory"] = str(folder)
-        return folder
+        return folder, {BATCH_REDIS_URL_ENV: ""}
     if "redis" not in spec["kvStore"]:
         raise ValueError("spec.batch.redis: `tessera up` keeps batches in the Redis it runs for kvStore.redis "
                          "(its own redis-server, or --redis-url), and this resource has no kvStore.redis: add "
                          "one, or keep batches in a folder with spec.batch.volume")
     if not options.redis_url:
         raise ValueError("spec.batch.redis: no Redis URL for kvStore.redis (pass --redis-url)")
-    section["redis_url"] = options.redis_url
-    return None
+    # batch.redis.tls names Kubernetes Secrets (mounted files in a pod): the run's Redis is used as given.
+    for key in ("redis_ca_file", "redis_cert_file", "redis_key_file"):
+        section.pop(key, None)
+    return None, {BATCH_REDIS_URL_ENV: options.redis_url}  # may carry a password: never in a file or argument
 
 
 def _local_engine_args(args: list[str], model_path: Path, grpc_port: int, metrics_port: int, kv_inbox_port: int,
@@ -216,4 +227,6 @@ def _warnings(spec: dict) -> list[str]:
     if "redis" in (spec.get("batch") or {}):
         out.append("batch.redis.urlSecretRef names a Kubernetes Secret; locally batches are kept in "
                    "kvStore.redis's Redis")
+        if spec["batch"]["redis"].get("tls"):
+            out.append("batch.redis.tls names Kubernetes Secrets; locally --redis-url is used as given")
     return out

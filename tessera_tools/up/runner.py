@@ -169,10 +169,11 @@ def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout:
         for engine in plan.engines:
             child = _LoggedChild(engine.args, log_dir / f"{engine.name}.log", {**env, **engine.env}, engine.cpus)
             supervisor.add(engine.name, child.start, stop_order=1, fatal_cause=child.bind_failure)
-        # Private: batch.redis_url (a --redis-url may carry a password) has no other home locally.
+        # Private all the same, though the Batch API's Redis URL comes by environment (plan.gateway_env).
         config_path = write_private_file(log_dir / "gateway.yaml",
                                          yaml.safe_dump(plan.gateway_config, sort_keys=False).encode())
-        gateway = _LoggedChild(["gateway", "--config", str(config_path)], log_dir / "gateway.log", env)
+        gateway = _LoggedChild(["gateway", "--config", str(config_path)], log_dir / "gateway.log",
+                               {**env, **plan.gateway_env})
         supervisor.add("gateway", gateway.start, stop_order=0, fatal_cause=gateway.bind_failure)
         _wait_ready(plan, options, supervisor, stop, ready_timeout)
         print(banner(plan, options, log_dir), flush=True)

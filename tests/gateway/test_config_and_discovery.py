@@ -60,6 +60,78 @@ def test_a_bad_batch_redis_url_never_shows_its_password():
     assert "s3cret" not in str(e.value) and "batch.redis_url" in str(e.value)
 
 
+URL_ENV = "TESSERA_BATCH_REDIS_URL"
+
+
+def test_the_batch_redis_url_comes_from_the_environment_when_the_file_has_none(tmp_path, monkeypatch):
+    """The operator's gateway pods get the URL (password and all) by environment from a Secret, never
+    in the ConfigMap: the engines' rule for --kv-redis-url and TESSERA_KV_REDIS_URL."""
+    from gateway.config import BATCH_REDIS_URL_ENV
+
+    assert BATCH_REDIS_URL_ENV == URL_ENV
+    url = "redis://batch:s3cret-pw@redis.ml:6379/2"
+    path = tmp_path / "gateway.yaml"
+    path.write_text("model: {name: m, path: /p}\npods: {static: [{address: 'h:1'}]}\n"
+                    "batch: {key_prefix: 'tessera:ml/llama:batch:'}\n")
+    batch = load_gateway_config(path, {URL_ENV: url}).batch
+    assert batch.redis_url == url and batch.key_prefix == "tessera:ml/llama:batch:" and batch.directory is None
+    assert "s3cret" not in repr(load_gateway_config(path, {URL_ENV: url}))
+    # What `tessera gateway` does: this process's environment.
+    monkeypatch.setenv(URL_ENV, url)
+    assert load_gateway_config(path).batch.redis_url == url
+    # A mapping alone looks at no environment unless given one.
+    with pytest.raises(GatewayConfigError, match=f"batch: give a directory or a redis_url \\(or set {URL_ENV}\\)"):
+        gateway_config_from_dict({**BASE, "batch": {}})
+    # An empty variable counts as unset.
+    with pytest.raises(GatewayConfigError, match="batch: give a directory or a redis_url"):
+        gateway_config_from_dict({**BASE, "batch": {}}, {URL_ENV: ""})
+    # No batch section: the Batch API stays off whatever the environment holds.
+    assert gateway_config_from_dict(BASE, {URL_ENV: url}).batch is None
+
+
+def test_the_config_files_batch_redis_url_wins_over_the_environment():
+    ours = "redis://redis.ml:6379/0"
+    for env in ({URL_ENV: "redis://other:6379/0"}, {URL_ENV: "http://not-even-a-redis-url"}):  # never read
+        assert gateway_config_from_dict({**BASE, "batch": {"redis_url": ours}}, env).batch.redis_url == ours
+    # A config that names a directory chose its store: a stray variable never moves it to Redis.
+    kept = gateway_config_from_dict({**BASE, "batch": {"directory": "/d"}}, {URL_ENV: ours}).batch
+    assert (kept.directory, kept.redis_url) == ("/d", None)
+
+
+@pytest.mark.parametrize("url,message", [
+    ("http://:hunter2-pw@redis:6379/0", f"{URL_ENV} must start with redis://, rediss:// or unix://, got scheme 'http'"),
+    ("redis:/:hunter2-pw@redis:6379/0", f"{URL_ENV} must start with redis://"),
+    ("redis://:hunter2-pw@redis:notaport/0", f"{URL_ENV} redis://\\*\\*\\*@redis:notaport/0 is not a valid Redis URL"),
+])
+def test_a_bad_batch_redis_url_in_the_environment_is_a_config_error_naming_it_without_the_password(url, message):
+    with pytest.raises(GatewayConfigError, match=message) as e:
+        gateway_config_from_dict({**BASE, "batch": {"key_prefix": "b:"}}, {URL_ENV: url})
+    assert "hunter2" not in str(e.value) and "batch.redis_url" not in str(e.value)
+
+
+def test_batch_redis_tls_files_are_checked_as_the_engines_are(tmp_path):
+    """batch.redis_ca_file, redis_cert_file, redis_key_file: KVStoreConfig's names and rules."""
+    for name in ("ca.crt", "tls.crt", "tls.key"):
+        (tmp_path / name).write_text("x")
+    files = {"redis_ca_file": str(tmp_path / "ca.crt"), "redis_cert_file": str(tmp_path / "tls.crt"),
+             "redis_key_file": str(tmp_path / "tls.key")}
+    tls_url = "rediss://:pw@redis.ml:6380/0"
+    batch = gateway_config_from_dict({**BASE, "batch": {"redis_url": tls_url, **files}}).batch
+    assert (batch.redis_ca_file, batch.redis_cert_file, batch.redis_key_file) == tuple(files.values())
+    # The URL from the environment counts as well.
+    assert gateway_config_from_dict({**BASE, "batch": files}, {URL_ENV: tls_url}).batch.redis_url == tls_url
+    bad = [({"redis_url": "redis://redis.ml:6379/0", "redis_ca_file": files["redis_ca_file"]},
+            f"batch.redis_ca_file needs a rediss:// URL \\(batch.redis_url or {URL_ENV}\\) \\(TLS\\)"),
+           ({"directory": "/d", "redis_cert_file": files["redis_cert_file"]}, "batch.redis_cert_file needs a rediss://"),
+           ({"redis_url": tls_url, "redis_ca_file": str(tmp_path / "absent.crt")},
+            "batch.redis_ca_file: no such file"),
+           ({"redis_url": tls_url, "redis_key_file": files["redis_key_file"]},
+            "batch.redis_key_file needs batch.redis_cert_file")]
+    for section, message in bad:
+        with pytest.raises(GatewayConfigError, match=message):
+            gateway_config_from_dict({**BASE, "batch": section})
+
+
 def test_load_yaml_file(tmp_path):
     path = tmp_path / "gateway.yaml"
     path.write_text("model: {name: m, path: /p}\npods:\n  kubernetes:\n    namespace: ml\n"

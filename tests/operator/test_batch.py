@@ -91,16 +91,112 @@ def test_turning_the_batch_api_on_rolls_the_gateway():
 REDIS = {"urlSecretRef": {"name": "batch-redis"}}
 
 
-def test_redis_is_refused_in_a_cluster_naming_the_field():
-    """The gateway reads batch.redis_url only from its config file, which is a ConfigMap in a cluster:
-    rather than put a credential there (or start a gateway that has no URL), the operator refuses."""
+URL_ENV = "TESSERA_BATCH_REDIS_URL"
+
+
+def _strings(obj) -> list[str]:
+    """Every string in an object, keys too, at any depth."""
+    if isinstance(obj, dict):
+        return [s for k, v in obj.items() for s in [k, *_strings(v)]]
+    if isinstance(obj, list):
+        return [s for v in obj for s in _strings(v)]
+    return [obj] if isinstance(obj, str) else []
+
+
+def test_redis_reaches_the_gateway_from_its_secret_by_environment_never_by_configmap_or_argv():
+    """spec.batch.redis in a cluster: the gateway pods get the URL (a credential) as TESSERA_BATCH_REDIS_URL
+    from the Secret; the ConfigMap has the key prefix and no URL; the engines get nothing of it."""
     body = make_isvc({"gateway": {**CLASSES, "replicas": 3}, "batch": {"redis": REDIS}})
-    validate_inference_service(body)  # the schema takes it (tessera up serves it)
-    for render in (desired_objects, render_objects):
-        with pytest.raises(InvalidInferenceService) as info:
-            render(body)
-        assert [e.path for e in info.value.errors] == ["spec.batch.redis"]
-        assert "ConfigMap" in str(info.value) and "batch.volume" in str(info.value)
+    objects = _objects({"gateway": {**CLASSES, "replicas": 3}, "batch": {"redis": REDIS}})
+    assert by_key(render_objects(body)).keys() == objects.keys()  # `tessera render` serves it too
+    gateway = objects[("Deployment", "llama-gateway")]
+    env = {e["name"]: e for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env[URL_ENV] == {"name": URL_ENV, "valueFrom": {"secretKeyRef": {"name": "batch-redis", "key": "url"}}}
+    for name, obj in objects.items():
+        strings = _strings(obj)
+        assert not [s for s in strings if "redis://" in s or "redis_url" in s], name  # not even a key
+        if name[0] == "Deployment":
+            args = obj["spec"]["template"]["spec"]["containers"][0]["args"]
+            assert not [a for a in args if "$(" in a or "redis-url" in a], name
+            if name != ("Deployment", "llama-gateway"):
+                assert URL_ENV not in strings, name  # the engines never see it
+    assert _gateway_yaml(objects)["batch"] == {
+        "key_prefix": "tessera:ml/llama:batch:", "max_concurrency": BatchConfig.max_concurrency,
+        "max_file_bytes": BatchConfig.max_file_bytes, "max_lines_per_file": BatchConfig.max_lines_per_file,
+        "max_files_per_tenant": BatchConfig.max_files_per_tenant,
+        "max_batches_per_tenant": BatchConfig.max_batches_per_tenant}
+    # Several replicas share Redis: rolled, no store volume.
+    assert gateway["spec"]["replicas"] == 3 and gateway["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert "batch" not in {v["name"] for v in _gateway_pod(objects)["volumes"]}
+    # The Secret is among those `tessera render` says must exist.
+    from tessera_operator.render import secret_refs
+
+    assert "batch-redis" in secret_refs(list(objects.values()))
+
+
+def test_the_gateway_loads_the_rendered_redis_config_with_the_url_its_pod_gets():
+    """The gateway's own loader takes the ConfigMap with the environment the pod has; without the
+    variable it names it (a pod whose Secret key is missing never starts)."""
+    objects = _objects({"gateway": CLASSES, "batch": {"redis": {**REDIS, "keyPrefix": "team-a:batches:"}}})
+    url = "redis://llama-gateway:pw-1234@redis.ml:6379/0"
+    loaded = gateway_config_from_dict(_gateway_yaml(objects), {URL_ENV: url}).batch
+    assert (loaded.redis_url, loaded.key_prefix, loaded.directory) == (url, "team-a:batches:", None)
+    from gateway.config import GatewayConfigError
+
+    with pytest.raises(GatewayConfigError, match=URL_ENV):
+        gateway_config_from_dict(_gateway_yaml(objects))
+
+
+REDIS_TLS = {"caSecretRef": {"name": "redis-ca"}, "clientCertSecretRef": {"name": "batch-redis-client"}}
+
+
+def test_batch_redis_tls_files_are_mounted_into_the_gateway_and_named_in_its_config(tmp_path):
+    """batch.redis.tls, as kvStore.redis.tls: the CA and the client certificate from their Secrets,
+    mounted read-only into the gateway pods and named by batch.redis_*_file; the engines get none of it."""
+    from .test_reconcile import _mounted_files
+
+    spec = {"gateway": CLASSES, "batch": {"redis": {**REDIS, "tls": REDIS_TLS}}}
+    objects = _objects(spec)
+    section = _gateway_yaml(objects)["batch"]
+    files = _mounted_files(list(objects.values()), "llama-gateway")
+    assert {k: files[section[k]] for k in ("redis_ca_file", "redis_cert_file", "redis_key_file")} == {
+        "redis_ca_file": "redis-ca/ca.crt", "redis_cert_file": "batch-redis-client/tls.crt",
+        "redis_key_file": "batch-redis-client/tls.key"}
+    engine = _engine_flags(objects)
+    assert not [f for f in engine if f.startswith("--kv-redis")]
+    assert not [p for p in _mounted_files(list(objects.values()), "llama-engine") if "redis" in p]
+    # The gateway's loader takes the fields, the files where the pod has them (here under tmp_path).
+    config = _gateway_yaml(objects)
+    for key in ("redis_ca_file", "redis_cert_file", "redis_key_file"):
+        local = tmp_path / config["batch"][key].lstrip("/")
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_text("pem")
+        config["batch"][key] = str(local)
+    loaded = gateway_config_from_dict(config, {URL_ENV: "rediss://redis.ml:6380/0"}).batch
+    assert loaded.redis_cert_file.endswith("/tls.crt") and loaded.redis_ca_file.endswith("/ca.crt")
+    # Only the CA: no client certificate, nor its flags.
+    only_ca = _gateway_yaml(_objects({"gateway": CLASSES, "batch": {"redis": {
+        **REDIS, "tls": {"caSecretRef": {"name": "redis-ca", "key": "bundle.pem"}}}}}))["batch"]
+    assert "redis_ca_file" in only_ca and "redis_cert_file" not in only_ca and "redis_key_file" not in only_ca
+
+
+def test_the_redis_network_policy_admits_the_gateway_when_batch_keeps_its_batches_in_redis():
+    """kvStore.redis.podSelector isolates the Redis pods: with batch.redis the gateway pods (which may
+    well use that same Redis) get in too; without it, or with a volume, only the engines do."""
+    from .test_network_policy import REDIS as REDIS_POD
+    from .test_network_policy import STRANGER, admits, pod_of, policies_of
+
+    kv = {"kvStore": {"redis": {"urlSecretRef": {"name": "kv-redis"}, "podSelector": {"app": "redis"}}}}
+    for batch, gateway_admitted in (({"redis": REDIS}, True), ({"volume": VOLUME}, False), (None, False)):
+        spec = {**kv, "gateway": CLASSES, **({"batch": batch} if batch else {})}
+        objects = desired_objects(make_isvc(spec))
+        other = desired_objects(make_isvc(kv, name="other"))  # another service on the same Redis, no batch
+        policies = policies_of(objects) + policies_of(other)
+        assert admits(policies, REDIS_POD, pod_of(objects, "llama-gateway"), 6379) is gateway_admitted, batch
+        assert admits(policies, REDIS_POD, pod_of(objects, "llama-engine"), 6379)
+        assert not admits(policies, REDIS_POD, pod_of(other, "other-gateway"), 6379)
+        assert not admits(policies, REDIS_POD, STRANGER, 6379)
+        assert not admits(policies, REDIS_POD, pod_of(objects, "llama-gateway"), 6380)  # kvStore.redis.port only
 
 
 def test_redis_key_prefix_defaults_inside_the_services_kv_key_space():

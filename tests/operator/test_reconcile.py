@@ -427,6 +427,37 @@ def test_gateway_config_file(full):
     assert loaded.disaggregation.kv_channel == "direct" and loaded.model.tool_call_parser == "llama3_json"
 
 
+def test_full_spec_with_batch_redis_the_gateway_loads_its_config_with_the_url_from_its_environment(tmp_path):
+    """FULL_SPEC plus spec.batch.redis (another key of the KV store's Secret, its CA): the gateway pod
+    gets that URL by environment and the CA as a file, the engines keep kvStore.redis's alone, the
+    Redis NetworkPolicy admits the gateway, and the gateway's loader takes the rendered config."""
+    spec = copy.deepcopy(FULL_SPEC)
+    spec["batch"] = {"priorityClass": "batch", "redis": {"urlSecretRef": {"name": "redis-cred", "key": "batch"},
+                                                         "tls": {"caSecretRef": {"name": "redis-ca"}}}}
+    objects = desired_objects(make_isvc(spec))
+    gateway_env = {e["name"]: e for e in container(objects, "llama-gateway")["env"]}
+    assert gateway_env["TESSERA_BATCH_REDIS_URL"]["valueFrom"] == {"secretKeyRef": {"name": "redis-cred",
+                                                                                  "key": "batch"}}
+    assert "TESSERA_KV_REDIS_URL" not in gateway_env
+    for pool in ("llama-prefill", "llama-decode"):
+        env = {e["name"]: e for e in container(objects, pool)["env"]}
+        assert "TESSERA_BATCH_REDIS_URL" not in env
+        assert env["TESSERA_KV_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "redis-cred", "key": "address"}
+    config = yaml.safe_load(by_key(objects)[("ConfigMap", "llama-gateway")]["data"]["gateway.yaml"])
+    ca_file = config["batch"]["redis_ca_file"]
+    assert _mounted_files(objects, "llama-gateway")[ca_file] == "redis-ca/ca.crt"
+    redis_policy = by_key(objects)[("NetworkPolicy", "llama-redis")]["spec"]
+    gateway_pods = by_key(objects)[("Deployment", "llama-gateway")]["spec"]["selector"]["matchLabels"]
+    assert {"podSelector": {"matchLabels": gateway_pods}} in redis_policy["ingress"][0]["from"]
+    assert redis_policy["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 6380}]
+    local_ca = tmp_path / "ca.crt"
+    local_ca.write_text("pem")
+    config["batch"]["redis_ca_file"] = str(local_ca)  # where this machine has the pod's file
+    url = "rediss://llama-gateway:pw@redis.ml:6380/0"
+    loaded = gateway_config_from_dict(config, {"TESSERA_BATCH_REDIS_URL": url}).batch
+    assert (loaded.redis_url, loaded.key_prefix, loaded.priority_class) == (url, "tessera:ml/llama:batch:", "batch")
+
+
 def test_gateway_pod_mounts_config_tenants_and_model(full):
     deployment = by_key(full)[("Deployment", "llama-gateway")]["spec"]["template"]
     pod = deployment["spec"]

@@ -146,3 +146,79 @@ def test_a_slow_disk_never_blocks_the_event_loop(tmp_path, monkeypatch):
 
     gaps = asyncio.run(main())
     assert max(gaps) < 0.2, f"the loop stalled {max(gaps):.2f} s"
+
+
+def _round_trip(store) -> None:
+    async def main():
+        try:
+            await store.put_file("alice", new_file_record(FILE, "in.jsonl", 3, "batch"), b"abc")
+            assert await store.file_content("alice", FILE) == b"abc"
+            assert (await store.get_file("alice", FILE))["bytes"] == 3
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_the_store_of_a_config_whose_redis_url_comes_from_the_environment(tmp_path, caplog):
+    """The operator's gateway: a config file with the key prefix alone, the URL (a password in it) in
+    TESSERA_BATCH_REDIS_URL. open_store opens that Redis, under that prefix, and says so without the
+    password."""
+    from gateway.batch.store import open_store
+    from gateway.config import load_gateway_config
+    from kv_store.local_redis import RedisServer
+
+    server = RedisServer(tmp_path, password="hunter2-batch-pw")
+    try:
+        path = tmp_path / "gateway.yaml"
+        path.write_text("model: {name: m, path: /p}\npods: {static: [{address: 'h:1'}]}\n"
+                        "batch: {key_prefix: 'tessera:ml/llama:batch:'}\n")
+        config = load_gateway_config(path, {"TESSERA_BATCH_REDIS_URL": server.url}).batch
+        with caplog.at_level("INFO", logger="gateway.batch.store"):
+            store = open_store(config, KEY)
+        assert isinstance(store, RedisStore)
+        assert f"127.0.0.1:{server.port}" in caplog.text and "hunter2" not in caplog.text
+        _round_trip(store)
+        keys = {k.decode() for k in server.client.keys("*")}
+        assert keys and all(k.startswith("tessera:ml/llama:batch:") for k in keys)
+    finally:
+        server.stop()
+
+
+def test_a_rediss_store_presents_the_configured_tls_files(tmp_path):
+    """batch.redis_ca_file, redis_cert_file, redis_key_file reach redis.asyncio as the KV store's Redis
+    tier passes its own: a Redis demanding client certificates serves the store, and refuses it
+    without the client certificate."""
+    import shutil
+    import subprocess
+
+    import redis as redis_py
+
+    from gateway.batch.store import open_store
+    from gateway.config import gateway_config_from_dict
+    from kv_store.local_redis import _wait_ping
+    from tessera.child_process import free_port
+    from tests.kv_store.test_redis_tier import _make_tls_files
+
+    files = _make_tls_files(tmp_path)
+    port = free_port()
+    server = subprocess.Popen(
+        [shutil.which("redis-server"), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", files["server.crt"], "--tls-key-file", files["server.key"],
+         "--tls-ca-cert-file", files["ca.crt"], "--tls-auth-clients", "yes", "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_ping(redis_py.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=files["ca.crt"],
+                                  ssl_certfile=files["client.crt"], ssl_keyfile=files["client.key"],
+                                  socket_timeout=0.5))
+        base = {"model": {"name": "m", "path": "/p"}, "pods": {"static": [{"address": "h:1"}]}}
+        env = {"TESSERA_BATCH_REDIS_URL": f"rediss://127.0.0.1:{port}/0"}
+        tls = {"redis_ca_file": files["ca.crt"], "redis_cert_file": files["client.crt"],
+               "redis_key_file": files["client.key"]}
+        _round_trip(open_store(gateway_config_from_dict({**base, "batch": tls}, env).batch, KEY))
+        no_cert = gateway_config_from_dict({**base, "batch": {"redis_ca_file": files["ca.crt"]}}, env).batch
+        with pytest.raises(redis_py.ConnectionError):
+            _round_trip(open_store(no_cert, KEY))
+    finally:
+        server.kill()
+        server.wait()

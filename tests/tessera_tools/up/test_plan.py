@@ -280,17 +280,57 @@ def test_no_batch_section_no_batch_api(tiny_llama):
 
 
 def test_batch_redis_uses_the_runs_kv_redis_and_keeps_the_url_off_every_command_line(tiny_llama):
-    """spec.batch.redis locally: the Redis of kvStore.redis (up's own, or --redis-url), named only in the
-    gateway's config file (which the runner writes private), under the service's key space."""
+    """spec.batch.redis locally: the Redis of kvStore.redis (up's own, or --redis-url), in the gateway's
+    environment as TESSERA_BATCH_REDIS_URL (as the operator's gateway pods get it), never in its config
+    file nor on a command line; keys under the service's key space."""
+    from gateway.config import gateway_config_from_dict
+
     url = "redis://:hunter2-redis-password@127.0.0.1:7777/0"
     resource = _example("local-disaggregated.yaml")
     resource["spec"]["batch"] = {"redis": {"urlSecretRef": {"name": "batch-redis"}}}
     plan = build_plan(resource, LocalOptions(models_dir=tiny_llama.parent, redis_url=url), _ports())
     assert plan.batch and plan.batch_directory is None
-    assert plan.gateway_config["batch"]["redis_url"] == url
+    assert plan.gateway_env == {"TESSERA_BATCH_REDIS_URL": url}
+    assert "redis_url" not in plan.gateway_config["batch"]
+    assert "hunter2" not in yaml.safe_dump(plan.gateway_config) and "hunter2" not in repr(plan)
     assert plan.gateway_config["batch"]["key_prefix"] == "tessera:default/local-pd:batch:"
     assert not [a for e in plan.engines for a in e.args if "hunter2" in a]
     assert any("batch.redis.urlSecretRef names a Kubernetes Secret" in w for w in plan.warnings)
+    # The gateway's loader, with the environment the runner gives the gateway, finds the URL there.
+    loaded = gateway_config_from_dict(plan.gateway_config, plan.gateway_env).batch
+    assert (loaded.redis_url, loaded.key_prefix) == (url, "tessera:default/local-pd:batch:")
+
+
+def test_batch_redis_tls_is_left_to_the_runs_redis_url(tiny_llama):
+    """batch.redis.tls names Kubernetes Secrets, files only a pod has: locally the run's Redis URL is
+    used as given, with a warning, and the config names no file the gateway would refuse to find."""
+    from gateway.config import gateway_config_from_dict
+
+    resource = _example("local-disaggregated.yaml")
+    resource["spec"]["batch"] = {"redis": {"urlSecretRef": {"name": "batch-redis"}, "tls": {
+        "caSecretRef": {"name": "redis-ca"}, "clientCertSecretRef": {"name": "redis-client"}}}}
+    plan = build_plan(resource, LocalOptions(models_dir=tiny_llama.parent, redis_url="redis://127.0.0.1:7777/0"),
+                      _ports())
+    assert not [k for k in plan.gateway_config["batch"] if k.startswith("redis_")]
+    assert any("batch.redis.tls names Kubernetes Secrets" in w for w in plan.warnings)
+    assert gateway_config_from_dict(plan.gateway_config, plan.gateway_env).batch.redis_ca_file is None
+
+
+def test_without_batch_redis_an_inherited_batch_redis_url_is_blanked(tiny_llama):
+    """A TESSERA_BATCH_REDIS_URL in the shell running `tessera up` would take the gateway's batches to that
+    Redis rather than the run's folder: the gateway gets it empty (unset), with or without spec.batch."""
+    from gateway.config import gateway_config_from_dict
+
+    options = LocalOptions(models_dir=tiny_llama.parent)
+    for example in ("local-batch.yaml", "local.yaml"):
+        plan = build_plan(_example(example), options, _ports())
+        assert plan.gateway_env == {"TESSERA_BATCH_REDIS_URL": ""}
+    batch = gateway_config_from_dict(plan.gateway_config, {**os.environ, **plan.gateway_env}).batch
+    assert batch is None
+    plan = build_plan(_example("local-batch.yaml"), options, _ports())
+    batch = gateway_config_from_dict(plan.gateway_config, {"TESSERA_BATCH_REDIS_URL": "redis://elsewhere:6379/0",
+                                                           **plan.gateway_env}).batch
+    assert batch.redis_url is None and batch.directory == str(plan.batch_directory)
 
 
 def test_batch_redis_without_a_kv_redis_is_refused(tiny_llama):

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+import yaml
 
 from tessera.child_process import free_port
 from tessera.internal_secret import InternalSecret
@@ -211,3 +212,44 @@ def test_batch_example_serves_the_batch_api_and_its_batches_survive_a_restart(ti
         assert sorted(json.loads(line)["custom_id"] for line in output.text.splitlines()) == ["q0", "q1", "q2"]
     finally:
         again.stop()
+
+
+def test_batch_redis_runs_in_the_runs_redis_with_the_url_in_the_gateways_environment(tiny_llama, tmp_path):
+    """spec.batch.redis under `tessera up`: the gateway keeps batches in the Redis the run starts for
+    kvStore.redis, whose URL it reads from TESSERA_BATCH_REDIS_URL (as the operator's gateway pods do),
+    not from its config file nor its command line."""
+    import json
+
+    import redis as redis_py
+
+    resource = yaml.safe_load((ROOT / "examples" / "local-batch.yaml").read_text())
+    resource["spec"]["kvStore"] = {"redis": {"urlSecretRef": {"name": "tessera-redis"}}}
+    resource["spec"]["batch"] = {"priorityClass": "batch", "redis": {"urlSecretRef": {"name": "batch-redis"}}}
+    path = tmp_path / "local-batch-redis.yaml"
+    path.write_text(yaml.safe_dump(resource))
+    up = Up(tiny_llama.parent, tmp_path, example=str(path))  # an absolute path replaces examples/
+    try:
+        up.wait_up()
+        lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "tiny", "prompt": f"Question {i}", "max_tokens": 3}} for i in range(2)]
+        upload = httpx.post(f"{up.base_url}/v1/files", headers=_BATCH_KEY, timeout=30, data={"purpose": "batch"},
+                            files={"file": ("in.jsonl", "\n".join(map(json.dumps, lines)).encode())})
+        assert upload.status_code == 200, upload.text
+        created = httpx.post(f"{up.base_url}/v1/batches", headers=_BATCH_KEY, timeout=30,
+                             json={"input_file_id": upload.json()["id"], "endpoint": "/v1/completions",
+                                   "completion_window": "24h"})
+        assert created.status_code == 200, created.text
+        batch = _wait_batch(up, created.json()["id"])
+        assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 2
+        config = (tmp_path / "gateway.yaml").read_text()
+        assert "redis_url" not in config and "redis://" not in config and "key_prefix" in config
+        gateway = [pid for pid, cmd in _children(up.proc.pid).items() if " gateway --config " in cmd]
+        assert len(gateway) == 1
+        environ = dict(item.split(b"=", 1) for item in Path(f"/proc/{gateway[0]}/environ").read_bytes().split(b"\0")
+                       if b"=" in item)
+        url = environ[b"TESSERA_BATCH_REDIS_URL"].decode()
+        assert url.startswith("redis://127.0.0.1:") and url not in _children(up.proc.pid)[gateway[0]]
+        keys = [k.decode() for k in redis_py.Redis.from_url(url, socket_timeout=5).keys("*")]
+        assert any(k.startswith("tessera:default/local-batch:batch:batch:") for k in keys), keys
+    finally:
+        up.stop()
