@@ -31,8 +31,9 @@ DEFAULT_IMAGE = "ghcr.io/tessera-ai/tessera:0.1.0"
 DEFAULT_CONTROL_PLANE_IMAGE = "ghcr.io/tessera-ai/tessera-control-plane:0.1.0"
 DEFAULT_CLASS_RULE = "self.priorityClasses.exists(c, c.name == self.defaultPriorityClass)"
 # An OTLP/gRPC endpoint is a URL with a scheme and no path (the SDK's exporter dials HOST:PORT).
-TRACING_ENDPOINT_PATTERN = "^https?://[^/ ]+/?$"
-TRACING_ENDPOINT_RULE = f"self.endpoint.matches('{TRACING_ENDPOINT_PATTERN}')"
+TRACING_ENDPOINT_PATTERN = r"^https?://[^/\s]+/?$"  # no space, tab or newline in the host either
+# In a CEL string literal the backslash is itself escaped.
+TRACING_ENDPOINT_RULE = "self.endpoint.matches('{}')".format(TRACING_ENDPOINT_PATTERN.replace("\\", "\\\\"))
 # disaggregation.kvChannel: the gateway's own default (Redis), unless asked; direct gives decode pods an inbox.
 DEFAULT_KV_CHANNEL = DisaggregationConfig.kv_channel
 DIRECT_KV_CHANNEL = "direct"

@@ -52,7 +52,7 @@ def _cases() -> list[Case]:
     cases += [Case(f"tracing endpoint {endpoint!r}", make_isvc({"tracing": {"endpoint": endpoint}}), True,
                    "spec.tracing: tracing.endpoint must be an OTLP/gRPC URL")
               for endpoint in ("otel-collector:4317", "http://otel-collector:4318/v1/traces", "https://otel:4317/\n",
-                               "grpc://otel:4317", "http://a b:4317")]
+                               "http://otel\n:4317", "http://otel\t:4317", "grpc://otel:4317", "http://a b:4317")]
     # Valid: both refuse nothing.
     cases += [Case("schema: the minimal resource", make_isvc(), False),
               Case("schema: a 50-character name", make_isvc(name="a" * 50), False),
