@@ -311,6 +311,9 @@ class BatchConfig:
     """Files one tenant may keep (uploads and batch outputs together)."""
     max_batches_per_tenant: int = 1000
     """Batches one tenant may keep, whatever their status."""
+    retention_s: float = 30 * 86400.0
+    """Seconds a finished batch and its output and error files are kept after
+    it ended (30 days); then they are removed (gateway/batch/retention.py)."""
     lease_s: float = 30.0
     """Seconds a runner's claim on a batch lasts unless renewed (renewed every
     third of it): a replica that dies holds its batches this long at most."""
@@ -411,7 +414,7 @@ def _check_batch(batch: BatchConfig) -> None:
     for name in ("max_concurrency", "max_file_bytes", "max_lines_per_file", "max_files_per_tenant",
                  "max_batches_per_tenant"):
         _check(getattr(batch, name) >= 1, f"batch.{name} must be >= 1")
-    for name in ("lease_s", "poll_interval_s", "retry_interval_s"):
+    for name in ("lease_s", "poll_interval_s", "retry_interval_s", "retention_s"):
         _check(getattr(batch, name) > 0, f"batch.{name} must be > 0")
 
 

@@ -22,6 +22,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.batch.input_file import BATCH_ENDPOINTS, parse_input
+from gateway.batch.retention import remove_expired
 from gateway.batch.records import batch_json, new_batch, new_file_record, visible_status
 from gateway.batch.store import BATCH_ID_RE, FILE_ID_RE, FINAL_STATUSES, BatchStore
 from gateway.errors import GatewayError, bad_request
@@ -221,6 +222,7 @@ def batch_router(gateway: Gateway, store: BatchStore) -> APIRouter:
         if len(content) > config.max_file_bytes:
             raise _too_large(config.max_file_bytes + _FORM_OVERHEAD_BYTES)
         await asyncio.to_thread(parse_input, content, config.max_lines_per_file)
+        await remove_expired(store, tenant, config.retention_s)  # their output files free quota places
         if await store.count_files(tenant) >= config.max_files_per_tenant:
             raise bad_request(f"file: this API key keeps {config.max_files_per_tenant} files already "
                               "(batch.max_files_per_tenant)", "too_many_files", "file")
@@ -235,6 +237,7 @@ def batch_router(gateway: Gateway, store: BatchStore) -> APIRouter:
         """The API key's files, newest first (`order=asc`: oldest first), `purpose` alone if given."""
         page_size = _list_limit(limit)
         _check_file_list_query(purpose, after, order)
+        await remove_expired(store, request.state.tenant.name, config.retention_s)
         records = await store.list_files(request.state.tenant.name)  # newest first
         if order == "asc":
             records.reverse()
@@ -289,7 +292,7 @@ def batch_router(gateway: Gateway, store: BatchStore) -> APIRouter:
             raise not_found("file", body.input_file_id, "input_file_id")
         # Every line on the batch's endpoint.
         await asyncio.to_thread(parse_input, content, config.max_lines_per_file, body.endpoint)
-        if len(await store.list_batches(tenant)) >= config.max_batches_per_tenant:
+        if len(await remove_expired(store, tenant, config.retention_s)) >= config.max_batches_per_tenant:
             raise bad_request(f"this API key keeps {config.max_batches_per_tenant} batches already "
                               "(batch.max_batches_per_tenant)", "too_many_batches", None)
         batch = new_batch(f"batch_{uuid.uuid4().hex}", body.input_file_id, body.endpoint, body.metadata)
@@ -306,7 +309,7 @@ def batch_router(gateway: Gateway, store: BatchStore) -> APIRouter:
                            limit: Annotated[str | None, Query(description="1 to 100 (default 20)")] = None,
                            after: str | None = None):
         page_size = _list_limit(limit)
-        records = await store.list_batches(request.state.tenant.name)
+        records = await remove_expired(store, request.state.tenant.name, config.retention_s)
         return _json(_page([batch_json(r) for r in records], after, page_size))
 
     @v1.post("/v1/batches/{batch_id}/cancel", responses=error_responses(400, 401, 404, 500))

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -88,6 +89,10 @@ class BatchStore(abc.ABC):
     @abc.abstractmethod
     async def set_inactive(self, tenant: str, batch_id: str) -> None:
         """The batch reached a final status: runners no longer look at it."""
+
+    @abc.abstractmethod
+    async def delete_batch(self, tenant: str, batch_id: str) -> None:
+        """The batch's record, results and marks, gone (its files are the caller's to delete)."""
 
     @abc.abstractmethod
     async def put_result(self, batch_id: str, index: int, result: dict) -> None:
@@ -290,6 +295,14 @@ class DirectoryStore(BatchStore):
             (self.root / "active" / f"{tenant}@{batch_id}").unlink()
 
     @_off_loop
+    def delete_batch(self, tenant: str, batch_id: str) -> None:
+        for path in (self._tenant(tenant) / "batches" / f"{batch_id}.json",
+                     self.root / "active" / f"{tenant}@{batch_id}"):
+            with _suppress_os_error():
+                path.unlink()
+        shutil.rmtree(self._run(batch_id), ignore_errors=True)
+
+    @_off_loop
     def put_result(self, batch_id: str, index: int, result: dict) -> None:
         _atomic_write(self._run(batch_id) / "results" / f"{index}.json",
                       self._signer.seal(result_name(batch_id, index), result))
@@ -444,6 +457,14 @@ class RedisStore(BatchStore):
 
     async def set_inactive(self, tenant: str, batch_id: str) -> None:
         await self._redis.srem(self._k("active"), f"{tenant}@{batch_id}")
+
+    async def delete_batch(self, tenant: str, batch_id: str) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._k("batch", tenant, batch_id), self._k("results", batch_id),
+                        self._k("cancel", batch_id), self._k("lease", batch_id))
+            pipe.zrem(self._k("batches", tenant), batch_id)
+            pipe.srem(self._k("active"), f"{tenant}@{batch_id}")
+            await pipe.execute()
 
     async def put_result(self, batch_id: str, index: int, result: dict) -> None:
         await self._redis.hset(self._k("results", batch_id), str(index),

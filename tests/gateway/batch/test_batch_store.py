@@ -115,6 +115,39 @@ def test_files_are_listed_newest_first_and_deleted_whole(open_store):
     asyncio.run(main())
 
 
+def test_batches_past_their_retention_go_with_their_output_files(open_store):
+    from gateway.batch.records import new_batch
+    from gateway.batch.retention import remove_expired
+
+    def batch(n: int, status: str, ended: int | None, output: str | None = None) -> dict:
+        record = {**new_batch("batch_" + str(n) * 32, FILE, "/v1/completions", None), "status": status,
+                  "created_at": 10 + n, "output_file_id": output}
+        return {**record, "completed_at": ended} if ended is not None else record
+
+    async def main():
+        store = open_store()
+        try:
+            out_old, out_new = _file(5, 50), _file(6, 60)
+            for f in (out_old, out_new, _file(7, 70)):  # 7: the tenant's input file, kept
+                await store.put_file("alice", f, b"x")
+            await store.put_batch("alice", batch(1, "completed", 100, out_old["id"]))  # ended long ago
+            await store.put_batch("alice", batch(2, "completed", 990, out_new["id"]))  # ended recently
+            await store.put_batch("alice", batch(3, "in_progress", None))  # never ends by age
+            await store.put_batch("bob", batch(4, "completed", 100))  # another tenant's: not touched
+            await store.put_result("batch_" + "1" * 32, 0, {"custom_id": "c0"})
+            kept = await remove_expired(store, "alice", retention_s=500, now=1000)
+            assert [b["id"][-1] for b in kept] == ["3", "2"]
+            assert [b["id"][-1] for b in await store.list_batches("alice")] == ["3", "2"]
+            assert await store.get_batch("alice", "batch_" + "1" * 32) is None
+            assert await store.results("batch_" + "1" * 32) == {}
+            assert [f["id"][-1] for f in await store.list_files("alice")] == ["7", "6"]
+            assert len(await store.list_batches("bob")) == 1
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
 def test_a_slow_disk_never_blocks_the_event_loop(tmp_path, monkeypatch):
     """Every directory-store write fsyncs; on a busy disk that takes long, and on the
     event loop it would stall every interactive request of the gateway meanwhile."""

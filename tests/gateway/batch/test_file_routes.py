@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import io
 import json
+import time
 
 import httpx
 import openai
@@ -46,11 +47,11 @@ def served_model(tiny_llama) -> ServedModel:
 
 
 @contextlib.asynccontextmanager
-async def files_api(served: ServedModel, root):
+async def files_api(served: ServedModel, root, **batch):
     """The SDK for alice and bob on a gateway's app, and the store behind it."""
     config = gateway_config_from_dict({
         "model": {"name": MODEL_NAME, "path": "unused"}, "pods": {"static": [{"address": "127.0.0.1:1"}]},
-        "batch": {"directory": str(root), "max_files_per_tenant": MAX_FILES}})
+        "batch": {"directory": str(root), "max_files_per_tenant": MAX_FILES, **batch}})
     tenants = TenantRegistry.from_dict(
         {"tenants": [{"name": n, "api_key_sha256": [hash_api_key(KEYS[n])]} for n in ("alice", "bob")]}, SECRET)
     gateway = Gateway(config, served, tenants, PriorityClasses.from_config(None, None))
@@ -205,5 +206,30 @@ def test_a_record_altered_in_the_store_is_served_by_no_route(served_model, tmp_p
             with pytest.raises(openai.NotFoundError) as e:
                 await alice.batches.create(input_file_id=kept.id, endpoint="/v1/completions", completion_window="24h")
             assert e.value.body["param"] == "input_file_id"
+
+    asyncio.run(main())
+
+
+def test_a_tenant_at_its_batch_quota_creates_again_once_a_batch_is_past_its_retention(served_model, tmp_path):
+    """No route deletes a batch: retention is what frees a quota place (gateway/batch/retention.py)."""
+    from gateway.batch.records import new_batch
+
+    async def main():
+        async with files_api(served_model, tmp_path, max_batches_per_tenant=1, retention_s=3600) as (sdk, store, _):
+            uploaded = await _upload(sdk["alice"])
+            output = await _put(store, "alice", 5, 100, "batch_output")
+            ended = {**new_batch("batch_" + "a" * 32, uploaded.id, "/v1/completions", None), "status": "completed",
+                     "output_file_id": output}
+            await store.put_batch("alice", {**ended, "completed_at": int(time.time()) - 60})  # within retention
+            with pytest.raises(openai.BadRequestError, match="too_many_batches|keeps 1 batches"):
+                await sdk["alice"].batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                                  completion_window="24h")
+            await store.put_batch("alice", {**ended, "completed_at": int(time.time()) - 7200})  # past it
+            created = await sdk["alice"].batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                                        completion_window="24h")
+            assert [b.id async for b in sdk["alice"].batches.list()] == [created.id]
+            with pytest.raises(openai.NotFoundError):
+                await sdk["alice"].files.retrieve(output)  # its output file went with it
+            assert (await sdk["alice"].files.retrieve(uploaded.id)).id == uploaded.id  # the input stays
 
     asyncio.run(main())
