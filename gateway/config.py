@@ -311,7 +311,7 @@ class BatchConfig:
     """Files one tenant may keep (uploads and batch outputs together)."""
     max_batches_per_tenant: int = 1000
     """Batches one tenant may keep, whatever their status."""
-    retention_s: float = 30 * 86400.0
+    retention_s: float = 30 * 86400
     """Seconds a finished batch and its output and error files are kept after
     it ended (30 days); then they are removed (gateway/batch/retention.py)."""
     lease_s: float = 30.0

@@ -33,6 +33,8 @@ LIMITS = (
     ("maxFilesPerTenant", "max_files_per_tenant", "Files one tenant (API key) keeps at most, uploads and batch "
                                                   "outputs together."),
     ("maxBatchesPerTenant", "max_batches_per_tenant", "Batches one tenant keeps at most, whatever their status."),
+    ("retentionSeconds", "retention_s", "Seconds a finished batch and its output and error files are kept after it "
+                                        "ended (30 days); then they are removed, which frees their quota places."),
 )
 
 

@@ -58,7 +58,8 @@ def test_a_volume_becomes_the_gateways_directory_store():
     assert config["batch"] == {"directory": f"{MOUNT}/llama", "max_concurrency": 3, "max_file_bytes": 1024,
                                "max_lines_per_file": BatchConfig.max_lines_per_file,
                                "max_files_per_tenant": BatchConfig.max_files_per_tenant,
-                               "max_batches_per_tenant": BatchConfig.max_batches_per_tenant}
+                               "max_batches_per_tenant": BatchConfig.max_batches_per_tenant,
+        "retention_s": BatchConfig.retention_s}
     # The gateway's own loader takes it.
     loaded = gateway_config_from_dict(config).batch
     assert loaded is not None and loaded.directory == "/var/lib/tessera/batch/llama" and loaded.redis_url is None
@@ -124,7 +125,8 @@ def test_redis_reaches_the_gateway_from_its_secret_by_environment_never_by_confi
         "key_prefix": "tessera:ml/llama:batch:", "max_concurrency": BatchConfig.max_concurrency,
         "max_file_bytes": BatchConfig.max_file_bytes, "max_lines_per_file": BatchConfig.max_lines_per_file,
         "max_files_per_tenant": BatchConfig.max_files_per_tenant,
-        "max_batches_per_tenant": BatchConfig.max_batches_per_tenant}
+        "max_batches_per_tenant": BatchConfig.max_batches_per_tenant,
+        "retention_s": BatchConfig.retention_s}
     # Several replicas share Redis: rolled, no store volume.
     assert gateway["spec"]["replicas"] == 3 and gateway["spec"]["strategy"]["type"] == "RollingUpdate"
     assert "batch" not in {v["name"] for v in _gateway_pod(objects)["volumes"]}
@@ -303,6 +305,7 @@ def test_the_schema_defaults_are_the_gateways():
                              "maxFileBytes": BatchConfig.max_file_bytes,
                              "maxLinesPerFile": BatchConfig.max_lines_per_file,
                              "maxFilesPerTenant": BatchConfig.max_files_per_tenant,
-                             "maxBatchesPerTenant": BatchConfig.max_batches_per_tenant}
+                             "maxBatchesPerTenant": BatchConfig.max_batches_per_tenant,
+                             "retentionSeconds": BatchConfig.retention_s}
     assert validate_inference_service(make_isvc({"batch": {"volume": {"claimName": "b"}}}))["spec"]["batch"][
         "volume"] == {"claimName": "b", "path": ""}
