@@ -5,13 +5,16 @@ the cluster API from the operator's memo (`memo.api`), so tests hand them a
 fake; `memo.operator_namespace` is where the operator runs (NetworkPolicies
 let it scrape). Per-resource memory (scaler history, last metric samples)
 lives in kopf's per-resource memo: an operator restart forgets it, which only
-delays scale-down by one window (see autoscale.decide).
+delays scale-down by one window (see autoscale.decide). The memo also holds a
+lock, so the change handler and the timer of one resource take turns, and the
+replicas of the last pass, which each pass starts from (status may lag).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 
 import kopf
@@ -78,22 +81,41 @@ def _invalid(body: dict, patch: kopf.Patch, error: InvalidInferenceService) -> k
     return kopf.PermanentError(str(error))
 
 
+def _pass(memo: kopf.Memo) -> threading.Lock:
+    """One pass at a time per resource: kopf runs the change handler and the timer side by side
+    (sync handlers, each in a thread of its own), and both apply the same objects and status."""
+    return memo.setdefault("pass_lock", threading.Lock())
+
+
+def _replicas(raw: dict, memo: kopf.Memo) -> dict[str, int]:
+    """pool_replicas, with this process's last pass in place of status.pools: the body kopf hands a
+    handler may predate the other handler's last status patch, and a change handler reading such
+    a status would undo the scale-up the timer just made (which the next tick would make again)."""
+    written = memo.get("replicas")
+    if written:
+        pools = {role: {"desiredReplicas": n} for role, n in written.items()}
+        raw = {**raw, "status": {**(raw.get("status") or {}), "pools": pools}}
+    return pool_replicas(raw)
+
+
 def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, reason: str, logger: logging.Logger,
               **_) -> None:
     """create, update and resume: apply every desired object, prune stale ones, report status."""
     api: ClusterApi = memo.api
     raw = dict(body)
-    try:
-        replicas = pool_replicas(raw)
-        objects = _desired(raw, memo, replicas)
-    except InvalidInferenceService as e:
-        raise _invalid(raw, patch, e) from e
-    try:
-        _apply(api, raw, objects)
-        _write_status(api, raw, patch, replicas)
-    except ApiError as e:
-        kopf.warn(raw, reason="ApplyFailed", message=str(e))
-        raise kopf.TemporaryError(str(e), delay=10) from e
+    with _pass(memo):
+        try:
+            replicas = _replicas(raw, memo)
+            objects = _desired(raw, memo, replicas)
+        except InvalidInferenceService as e:
+            raise _invalid(raw, patch, e) from e
+        try:
+            _apply(api, raw, objects)
+            _write_status(api, raw, patch, replicas)
+        except ApiError as e:
+            kopf.warn(raw, reason="ApplyFailed", message=str(e))
+            raise kopf.TemporaryError(str(e), delay=10) from e
+        memo["replicas"] = replicas
     logger.info("%s: applied %d objects", reason, len(objects))
     if reason != "resume":
         kopf.info(raw, reason="Applied", message=f"{len(objects)} objects applied ({reason})")
@@ -103,6 +125,7 @@ def on_delete(memo: kopf.Memo, logger: logging.Logger, name: str, **_) -> None:
     """Owner references let the garbage collector remove the children; only our memory goes here."""
     memo.pop("scalers", None)
     memo.pop("scrapes", None)
+    memo.pop("replicas", None)
     logger.info("%s deleted; its objects go with it (owner references)", name)
 
 
@@ -124,25 +147,27 @@ def on_tick(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging
     """Every interval: autoscale each pool, re-apply (undoing hand edits), refresh status."""
     api: ClusterApi = memo.api
     raw = dict(body)
-    try:
-        replicas = pool_replicas(raw)
-    except InvalidInferenceService:
-        return  # on_change has reported it; nothing safe to apply
-    scaled = []
-    try:
-        if validated(raw)["spec"]["autoscaling"]["enabled"]:
-            for role, decision in _autoscale(api, raw, memo, replicas, time.monotonic()):
-                if decision.changed:
-                    replicas[role] = decision.replicas
-                    scaled.append(role)
-                    _report_scaling(raw, role, decision, logger)
-        _apply(api, raw, _desired(raw, memo, replicas))
-        _write_status(api, raw, patch, replicas)
-        for role in scaled:
-            patch.status["pools"][role]["lastScaleTime"] = now_iso()
-    except ApiError as e:
-        kopf.warn(raw, reason="ReconcileFailed", message=str(e))
-        raise kopf.TemporaryError(str(e)) from e
+    with _pass(memo):
+        try:
+            replicas = _replicas(raw, memo)
+        except InvalidInferenceService:
+            return  # on_change has reported it; nothing safe to apply
+        scaled = []
+        try:
+            if validated(raw)["spec"]["autoscaling"]["enabled"]:
+                for role, decision in _autoscale(api, raw, memo, replicas, time.monotonic()):
+                    if decision.changed:
+                        replicas[role] = decision.replicas
+                        scaled.append(role)
+                        _report_scaling(raw, role, decision, logger)
+            _apply(api, raw, _desired(raw, memo, replicas))
+            _write_status(api, raw, patch, replicas)
+            for role in scaled:
+                patch.status["pools"][role]["lastScaleTime"] = now_iso()
+        except ApiError as e:
+            kopf.warn(raw, reason="ReconcileFailed", message=str(e))
+            raise kopf.TemporaryError(str(e)) from e
+        memo["replicas"] = replicas
 
 
 def _report_scaling(body: dict, role: str, decision: Decision, logger: logging.Logger) -> None:

@@ -40,6 +40,10 @@ def kopf_options(args: argparse.Namespace) -> dict:
         raise ValueError(f"liveness_port: {args.liveness_port} is not a port")
     registry = kopf.OperatorRegistry()
     register(registry, args.interval)
+    # A registry of our own has no login handler (kopf adds its fallbacks to its default registry
+    # only): without this one, kopf finds no credentials and stops at once. The official client's
+    # in-cluster or kubeconfig credentials, as load_client_config reads them.
+    kopf.on.login(registry=registry)(kopf.login_via_client)
     return {
         "registry": registry,
         # One replica, no peering objects: the chart runs a single pod with the Recreate strategy.

@@ -1,7 +1,10 @@
 """The kopf handlers with real kopf objects (registry, Body, Patch, Memo, settings, event queue)
 against FakeCluster. What this leaves unverified without an API server: kopf's own watch/patch
 traffic, server-side apply's field ownership on a real server, garbage collection through owner
-references, and RBAC enforcement (the chart's rules are checked against the calls in test_manifests)."""
+references, and RBAC enforcement (the chart's rules are checked against the calls in test_manifests).
+kopf's own traffic is exercised by tests/operator/emulated/ (the `tessera operator` process against
+an API emulator), which also took over the tests that only repeated what it checks end to end
+(readiness of every component, pruning on a mode switch, an invalid spec, a failed apply retried)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,6 @@ from kopf._core.engines import posting  # the queue kopf.info/kopf.warn post to
 from tessera.internal_secret import MIN_SECRET_CHARS
 from tessera_operator import handlers
 from tessera_operator.handlers import on_change, on_delete, on_tick
-from tessera_operator.kube import ApiError
 from tessera_operator.names import Owner, gateway_selector, pool_selector
 from tessera_operator.reconcile import ObjectKey
 
@@ -122,41 +124,6 @@ def test_applying_twice_changes_nothing(cluster, events):
     call(on_change, body, cluster, reason="resume")
     assert cluster.objects == first
     assert not [c for c in cluster.calls if c[0] == "delete"]
-
-
-def test_status_turns_ready_with_the_deployments(cluster, events):
-    body = make_isvc({"mode": "disaggregated"})
-    call(on_change, body, cluster)
-    cluster.ready.update({"llama-gateway": 1, "llama-prefill": 1, "llama-decode": 1})
-    patch = call(on_change, body, cluster, reason="resume")
-    conditions = {c["type"]: c for c in patch["status"]["conditions"]}
-    assert set(conditions) == {"GatewayReady", "PrefillReady", "DecodeReady", "Ready"}
-    assert all(c["status"] == "True" for c in conditions.values())
-    assert patch["status"]["pools"]["mixed"] is None  # a pool of the other mode is cleared
-
-
-def test_update_to_disaggregated_prunes_the_mixed_pool(cluster, events):
-    call(on_change, make_isvc(), cluster)
-    call(on_change, make_isvc({"mode": "disaggregated"}), cluster, reason="update")
-    names = {(k.kind, k.name) for _, k in cluster.objects}
-    assert ("Deployment", "llama-engine") not in names and ("Service", "llama-engine") not in names
-    assert {("Deployment", "llama-prefill"), ("Deployment", "llama-decode")} <= names
-    assert ("Normal", "Deleted", "Deployment llama-engine is no longer part of the spec") in events()
-
-
-def test_invalid_spec_is_a_permanent_error_with_an_event(cluster, events):
-    body = make_isvc({"pools": {"mixed": {"minReplicas": 3, "maxReplicas": 2}}})
-    with pytest.raises(kopf.PermanentError, match="spec.pools.mixed"):
-        call(on_change, body, cluster)
-    assert cluster.writes() == []
-    assert events()[0][:2] == ("Warning", "InvalidSpec")
-
-
-def test_api_failure_is_retried_later(cluster, events):
-    cluster.fail_apply = ApiError(500, "PATCH", "/apis/apps/v1/...", "etcd unavailable")
-    with pytest.raises(kopf.TemporaryError):
-        call(on_change, make_isvc(), cluster)
-    assert [e[:2] for e in events() if e[0] == "Warning"] == [("Warning", "ApplyFailed")]
 
 
 def test_delete_forgets_memory_and_leaves_children_to_the_garbage_collector(cluster, events):
