@@ -39,6 +39,10 @@ class BackgroundShare:
         )
         self.tokens_left = 0 if foreground_busy else self.max_tokens
 
+    def count(self, requests: Iterable[Request]) -> int:
+        """How many of `requests` are background (none, without looking, when there is no class)."""
+        return 0 if self.threshold is None else sum(map(self.is_background, requests))
+
     def limit(self, request: Request, budget: int) -> int:
         """Tokens `request` may take of the step's remaining `budget`."""
         return min(budget, self.tokens_left) if self.is_background(request) else budget

@@ -158,10 +158,8 @@ class Scheduler:
         """Waiting requests a new interactive one would queue behind: background
         ones yield to it, so they are left out (all of them count without a
         background class)."""
-        if self.background.threshold is None:
-            return self.num_waiting
         queued = itertools.chain(self.waiting, self.waiting_for_fsm, self.waiting_for_lora)
-        return sum(not self.background.is_background(r) for r in queued)
+        return self.num_waiting - self.background.count(queued)
 
     def kv_cache_usage_foreground(self) -> float:
         """The KV pool's usage as an interactive request sees it: blocks only
@@ -501,8 +499,9 @@ class Scheduler:
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=self.num_waiting,
-            num_background_running=sum(map(self.background.is_background, self.running)),
-            num_background_waiting=self.num_waiting - self.num_waiting_foreground(),
+            num_background_running=self.background.count(self.running),
+            num_background_waiting=self.background.count(
+                itertools.chain(self.waiting, self.waiting_for_fsm, self.waiting_for_lora)),
             num_kv_blocks_used=pool.num_blocks - pool.get_num_free_blocks(),
             num_kv_blocks_free=pool.get_num_free_blocks(),
             kv_cache_usage=pool.get_usage(),

@@ -45,6 +45,8 @@ def test_defaults_and_nested_overrides():
     ({"batch": {"directory": "/d", "max_file_bytes": -1}}, "batch.max_file_bytes must be >= 1"),
     ({"batch": {"directory": "/d", "lease_s": 0}}, "batch.lease_s must be > 0"),
     ({"batch": {"directory": "/d", "retry_interval_s": float("nan")}}, "batch.retry_interval_s must be > 0"),
+    ({"batch": {"directory": "/d", "retention_s": 0}}, "batch.retention_s must be > 0"),
+    ({"batch": {"directory": "/d", "retention_s": float("nan")}}, "batch.retention_s must be > 0"),
     ({"model": {"name": "m", "path": "/p", "tool_call_parser": "mistral"}},
      "model.tool_call_parser: unknown tool-call parser 'mistral'"),
 ])
