@@ -87,8 +87,8 @@ class RecordSigner:
     def seal(self, name: str, record: dict, content: bytes | None = None) -> bytes:
         """The bytes to store for `record` under `name`; `content`: the file's bytes, for a File record."""
         if self._key is None:
-            return _dump(record)
-        payload = _dump({"record": record, "content_sha256": None if content is None else content_sha256(content)})
+            return dump_json(record)
+        payload = dump_json({"record": record, "content_sha256": None if content is None else content_sha256(content)})
         return _PREFIX + self._tag(name, payload).encode() + b":" + payload
 
     def open(self, name: str, raw: bytes | None) -> Sealed | None:
@@ -149,5 +149,6 @@ def _unverified(raw: bytes) -> Sealed:
     return Sealed(json.loads(raw))
 
 
-def _dump(record: dict) -> bytes:
+def dump_json(record: dict) -> bytes:
+    """A record's compact JSON, as the stores keep it."""
     return json.dumps(record, separators=(",", ":")).encode()

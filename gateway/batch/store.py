@@ -35,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from gateway.batch.signing import RecordSigner, Sealed
+from gateway.batch.signing import RecordSigner, Sealed, dump_json
 from kv_store.redis_tier import redact_url, ssl_options
 
 # Ids the API hands out: anything else names nothing (and never reaches a path or key).
@@ -175,10 +175,6 @@ def _read_bytes(path: Path) -> bytes | None:
         return path.read_bytes()
     except FileNotFoundError:
         return None
-
-
-def _dump(record: dict) -> bytes:
-    return json.dumps(record, separators=(",", ":")).encode()
 
 
 def _off_loop(method):
@@ -335,7 +331,7 @@ class DirectoryStore(BatchStore):
         lease = _read_json(path)
         if lease is not None and lease["owner"] != owner and lease["expires"] > time.time():
             return False
-        _atomic_write(path, _dump({"owner": owner, "expires": time.time() + lease_s}))
+        _atomic_write(path, dump_json({"owner": owner, "expires": time.time() + lease_s}))
         return True
 
     @_off_loop
