@@ -139,3 +139,15 @@ def _class_from_item(item: Any, index: int) -> PriorityClass:
     if "name" not in item or "priority" not in item:
         raise ValueError(f"priority_classes[{index}]: name and priority are required")
     return PriorityClass(item["name"], item["priority"], item.get("weight", 1.0), item.get("sheddable", False))
+
+
+def batch_priority_class(classes: PriorityClasses, configured: str | None) -> str:
+    """The class batch lines run at: the configured one, else the sheddable class
+    that runs last (largest priority), else the class that runs last."""
+    if configured is not None:
+        if classes.get(configured) is None:
+            raise ValueError(f"batch.priority_class: {configured!r} is not a priority class; "
+                             f"defined: {classes.names}")
+        return configured
+    sheddable = [c for c in classes if c.sheddable]
+    return max(sheddable or list(classes), key=lambda c: c.priority).name

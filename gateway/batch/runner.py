@@ -28,7 +28,7 @@ from gateway.config import BatchConfig
 from gateway.errors import GatewayError, bad_request, internal
 from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai_api.server import run_chat_completion, run_completion
-from gateway.priority import PriorityClasses
+from gateway.priority import batch_priority_class
 from gateway.serving import Gateway
 from gateway.tenants import Tenant
 
@@ -37,18 +37,6 @@ logger = logging.getLogger(__name__)
 _RETRY_STATUSES = (429, 503)
 # The metrics' endpoint label of batch lines.
 ENDPOINT_LABEL = "batch"
-
-
-def batch_priority_class(classes: PriorityClasses, configured: str | None) -> str:
-    """The class batch lines run at: the configured one, else the sheddable class
-    that runs last (largest priority), else the class that runs last."""
-    if configured is not None:
-        if classes.get(configured) is None:
-            raise ValueError(f"batch.priority_class: {configured!r} is not a priority class; "
-                             f"defined: {classes.names}")
-        return configured
-    sheddable = [c for c in classes if c.sheddable]
-    return max(sheddable or list(classes), key=lambda c: c.priority).name
 
 
 class BatchRunner:

@@ -2,16 +2,15 @@
 Redis URL (an environment variable from the Secret, never in the ConfigMap or the command line)
 and Redis TLS files, and the engine pods' background priority (the Batch API, docs/batch.md).
 
-The class batch lines run at comes from the gateway's own rule (gateway/batch/runner.py
+The class batch lines run at comes from the gateway's own rule (gateway/priority.py
 `batch_priority_class`, imported: one home), so the engines' --background-priority is the
 priority of the very class the gateway's runner submits lines at.
 """
 
 from __future__ import annotations
 
-from gateway.batch.runner import batch_priority_class
 from gateway.config import BATCH_REDIS_URL_ENV  # the gateway reads the batch Redis URL from it
-from gateway.priority import PriorityClass, PriorityClasses
+from gateway.priority import PriorityClass, PriorityClasses, batch_priority_class
 from tessera_operator import crd_batch, names, pod_parts, secret_files
 from tessera_operator.names import Owner
 
@@ -86,7 +85,7 @@ def _classes(spec: dict) -> PriorityClasses:
 
 
 def batch_class(spec: dict) -> PriorityClass:
-    """The class the gateway's runner submits batch lines at (gateway/batch/runner.py's rule)."""
+    """The class the gateway's runner submits batch lines at (gateway/priority.py's rule)."""
     classes = _classes(spec)
     found = classes.get(batch_priority_class(classes, spec["batch"].get("priorityClass")))
     assert found is not None  # batch_priority_class names a defined class or raises

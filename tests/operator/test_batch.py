@@ -7,9 +7,8 @@ import argparse
 import pytest
 import yaml
 
-from gateway.batch.runner import batch_priority_class
 from gateway.config import BatchConfig, gateway_config_from_dict
-from gateway.priority import PriorityClasses
+from gateway.priority import PriorityClasses, batch_priority_class
 from tessera_operator import InvalidInferenceService, validate_inference_service
 from tessera_operator.batch import MOUNT
 from tessera_operator.reconcile import desired_objects

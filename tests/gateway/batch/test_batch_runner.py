@@ -15,7 +15,8 @@ import pytest
 
 from gateway.batch import runner as runner_module
 from gateway.batch.records import new_batch, new_file_record
-from gateway.batch.runner import BatchRunner, batch_priority_class
+from gateway.batch.runner import BatchRunner
+from gateway.priority import batch_priority_class
 from gateway.batch.store import DirectoryStore
 from gateway.config import BatchConfig
 from gateway.errors import bad_request, rate_limited
