@@ -142,6 +142,8 @@ class ResponseStream:
                 added = time.monotonic() - self.arrival - self.ticket.queue_wait_s
                 self.gateway.metrics.dispatch.observe(max(0.0, added))
             pod.dispatched_since_report += 1
+            if pod.role != "prefill":  # the pods admission capacity counts (PodPool.free_slots)
+                self.ticket.placed()
             self.gateway.metrics.routing.labels(pod.address, pod.role, "retry" if attempt else kind).inc()
             if attempt:
                 self.gateway.metrics.retries.inc()

@@ -116,6 +116,15 @@ class AsyncEngine:
             pending = len(self._pending_adds)
         return self.snapshot.num_waiting + pending
 
+    def num_queued_foreground(self) -> int:
+        """num_queued as the gateway weighs a pod: background requests left out.
+        The requests not yet taken in count: a report sent between a request's
+        arrival and the next step would otherwise show the pod with room."""
+        background = self.core.scheduler.background
+        with self._lock:
+            pending = len(self._pending_adds) - background.count(self._pending_adds)
+        return self.snapshot.num_waiting_foreground + pending
+
     def num_pending_prefill_tokens(self) -> int:
         """The engine's prefill backlog (Scheduler.num_pending_prefill_tokens)
         as of its last step, plus the prompts not yet taken in."""

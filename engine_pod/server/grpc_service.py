@@ -252,7 +252,7 @@ class EngineService(pb_grpc.EngineServicer):
             role=self.role,
             num_running=snap.num_running,
             # What the gateway weighs a pod by: background requests yield to the ones it routes.
-            num_waiting=snap.num_waiting_foreground,
+            num_waiting=self.engine.num_queued_foreground(),
             kv_cache_usage=snap.kv_cache_usage_foreground,
             num_pending_prefill_tokens=self.engine.num_pending_prefill_tokens(),
             num_kv_blocks=core.num_blocks,

@@ -4,6 +4,9 @@ The controller keeps a slot budget: how many more requests the engine pool
 can take right now. The gateway sets it from every fresh batch of pod load
 reports (`set_capacity`); each admission spends a slot and each finished
 request gives one back, so the budget stays roughly right between reports.
+A request admitted but not yet sent to a pod (tokenized, routed, its prefix
+queries answered) is in no pod's count yet: `set_capacity` leaves its slot
+spent until `Ticket.placed`, or each refresh would hand it out again.
 While the budget is spent, sheddable classes are rejected at once and other
 requests wait in the fair queue for a slot.
 
@@ -47,6 +50,8 @@ class Ticket:
         self._controller = controller
         self._limiter = limiter
         self._released = False
+        self._placed = False
+        controller._unplaced += 1
 
     @property
     def released(self) -> bool:
@@ -63,12 +68,21 @@ class Ticket:
         if beyond:
             self._limiter.charge_output(beyond)
 
+    def placed(self) -> None:
+        """An entry pod (mixed or decode) took the request's first engine call:
+        that pod's count (Pod.dispatched_since_report, then its load report)
+        holds it from now on. Safe to call again."""
+        if not self._placed:
+            self._placed = True
+            self._controller._unplaced -= 1
+
     def release(self) -> None:
         """The request finished, failed or was cancelled: settle its token
         reservation with what it generated. Safe to call twice."""
         if self._released:
             return
         self._released = True
+        self.placed()  # never placed (failed or cancelled before): no longer pending either
         self._limiter.finish(unused_tokens=max(0, self.reserved_output_tokens - self.output_tokens))
         self._controller._slot_freed()
 
@@ -104,6 +118,8 @@ class AdmissionController:
         self._queue: FairQueue[_Waiter] = FairQueue()
         # No pod stats yet: do not hold requests back on a guess.
         self._budget: float = math.inf
+        # Tickets issued whose request no pod counts yet (Ticket.placed).
+        self._unplaced = 0
 
     # ---- observation -------------------------------------------------
     @property
@@ -128,8 +144,9 @@ class AdmissionController:
 
     # ---- capacity ----------------------------------------------------
     def set_capacity(self, free_slots: int) -> None:
-        """Fresh pod load reports: the pool can take `free_slots` more requests now."""
-        self._budget = free_slots
+        """Fresh pod load reports: the pool can take `free_slots` more requests
+        now, less those admitted that no pod has counted yet."""
+        self._budget = free_slots - self._unplaced
         self._dispatch()
 
     def _slot_freed(self) -> None:

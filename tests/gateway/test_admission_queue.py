@@ -21,10 +21,12 @@ def test_budget_unlimited_until_first_report_then_counted():
         ctrl = AdmissionController(FakeClock())
         acme = tenant()
         for _ in range(100):
-            await ctrl.admit(acme, STANDARD, 1)  # no stats yet: never saturated
+            (await ctrl.admit(acme, STANDARD, 1)).placed()  # no stats yet: never saturated
         ctrl.set_capacity(2)
         a = await ctrl.admit(acme, STANDARD, 1)
         b = await ctrl.admit(acme, STANDARD, 1)
+        a.placed()
+        b.placed()
         assert ctrl.saturated and ctrl.free_slots == 0
         c = asyncio.create_task(ctrl.admit(acme, STANDARD, 1))
         await settle()
@@ -32,6 +34,7 @@ def test_budget_unlimited_until_first_report_then_counted():
         a.release()  # frees a slot before the next report: c goes
         await settle()
         assert c.done() and ctrl.free_slots == 0
+        c.result().placed()
         a.release()  # idempotent: no phantom slot
         assert ctrl.free_slots == 0
         b.release()
@@ -42,6 +45,30 @@ def test_budget_unlimited_until_first_report_then_counted():
         c.result().release()
         await settle()
         assert d.done() and ctrl.free_slots == 0
+    asyncio.run(scenario())
+
+
+def test_admitted_but_not_yet_sent_to_a_pod_keeps_its_slot_across_reports():
+    """A report that arrives while an admitted request is still being routed
+    does not count it: the slot stays spent until the request is placed, or
+    every refresh would let more through (the pods took a dozen lows past
+    max_waiting_per_pod this way while routing was slow)."""
+    async def scenario():
+        ctrl = AdmissionController(FakeClock())
+        acme = tenant()
+        ctrl.set_capacity(2)
+        a = await ctrl.admit(acme, STANDARD, 1)
+        b = await ctrl.admit(acme, STANDARD, 1)
+        ctrl.set_capacity(2)  # the pods have not seen a or b yet
+        assert ctrl.saturated and ctrl.free_slots == 0
+        a.placed()
+        a.placed()  # idempotent
+        ctrl.set_capacity(1)  # the pod counts a now
+        assert ctrl.free_slots == 0
+        b.release()  # failed before it reached a pod: nothing pending
+        b.placed()
+        ctrl.set_capacity(2)
+        assert ctrl.free_slots == 2
     asyncio.run(scenario())
 
 
@@ -167,6 +194,7 @@ def _queue_up(ctrl, entries):
 
     async def one(label, name, pclass):
         ticket = await ctrl.admit(tenant(name), pclass, 1)
+        ticket.placed()  # sent to a pod: the pods' reports count it from now on
         order.append(label)
         return ticket
     return order, [asyncio.create_task(one(*entry)) for entry in entries]
