@@ -211,23 +211,58 @@ class KVStoreConfig:
 
 @dataclass
 class ParallelConfig:
-    """Tensor parallelism: one worker process per rank when above 1."""
+    """Tensor and pipeline parallelism: one worker process per rank
+    (pipeline_parallel_size x tensor_parallel_size of them) when above 1."""
 
     tensor_parallel_size: int = 1
     """Ranks the model is split across (heads and MLP columns), one worker process each."""
     worker_threads: int | None = None
     """torch threads per worker process on CPU; None: this process's CPU
     share divided among the ranks."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages the decoder layers are split across (vLLM's split:
+    equal shares, the remainder one each to the stages before the last),
+    each stage tensor_parallel_size ranks; one batch in flight at a time."""
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        pp = self.pipeline_parallel_size
+        if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
         if self.worker_threads is not None and self.worker_threads < 1:
             raise ValueError(f"worker_threads must be >= 1 or None, got {self.worker_threads!r}")
 
+    @property
+    def world_size(self) -> int:
+        """Worker processes (ranks) in all: PP x TP."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    def check_features(self, kv_store: KVStoreConfig, lora: LoRAConfig | None) -> None:
+        """What pipeline parallelism does not support yet is refused, naming the flags."""
+        if self.pipeline_parallel_size == 1:
+            return
+        pp = f"pipeline_parallel_size={self.pipeline_parallel_size}"
+        if kv_store.enabled:
+            raise ValueError(
+                f"{pp}: the KV store (kv_host_bytes, kv_redis_url, kv_inbox_bytes: host memory, Redis and "
+                "P/D KV transfer) is not supported with pipeline parallelism yet; each stage holds only its "
+                "layers' KV"
+            )
+        if lora is not None:
+            raise ValueError(f"{pp}: enable_lora is not supported with pipeline parallelism yet (the adapters' "
+                             "slots are attached to every layer, and a stage holds only its own)")
+
     def validate_for(self, arch: ModelArchConfig) -> None:
-        """Every rank must get an equal share of what the model splits."""
+        """Every rank must get an equal share of what the model splits, and
+        every pipeline stage at least one layer."""
+        pp = self.pipeline_parallel_size
+        if pp > arch.num_hidden_layers:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} exceeds the model's num_hidden_layers={arch.num_hidden_layers} "
+                "(every stage needs at least one layer)"
+            )
         tp = self.tensor_parallel_size
         if arch.num_attention_heads % tp:
             raise ValueError(
@@ -318,14 +353,14 @@ def _resolve_dtype(dtype: str | torch.dtype, arch: ModelArchConfig, device: torc
     return torch.bfloat16 if ckpt == torch.float32 else ckpt
 
 
-def _check_device_count(device: torch.device, tensor_parallel_size: int) -> None:
+def _check_device_count(device: torch.device, parallel: ParallelConfig) -> None:
     import torch
 
-    if device.type == "cuda" and tensor_parallel_size > torch.cuda.device_count():
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} needs as many CUDA devices; "
-            f"{torch.cuda.device_count()} visible"
-        )
+    if device.type == "cuda" and parallel.world_size > torch.cuda.device_count():
+        sizes = f"tensor_parallel_size={parallel.tensor_parallel_size}"
+        if parallel.pipeline_parallel_size > 1:
+            sizes = f"pipeline_parallel_size={parallel.pipeline_parallel_size} x {sizes}"
+        raise ValueError(f"{sizes} needs {parallel.world_size} CUDA devices; {torch.cuda.device_count()} visible")
 
 
 def _check_simulable(dtype, device: str | None, parallel: ParallelConfig,
@@ -339,6 +374,9 @@ def _check_simulable(dtype, device: str | None, parallel: ParallelConfig,
         raise ValueError(f"device: a simulated engine runs on no device, got {device!r}")
     if parallel.tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size: a simulated engine is one process; its profile models the "
+                         "step times of whatever parallelism it was fitted on")
+    if parallel.pipeline_parallel_size != 1:
+        raise ValueError("pipeline_parallel_size: a simulated engine is one process; its profile models the "
                          "step times of whatever parallelism it was fitted on")
     if speculative is not None:
         raise ValueError("speculative_config: a simulated engine does not model speculative decoding")
@@ -383,6 +421,7 @@ def create_engine_config(
     kv_inbox_bytes: int = KVStoreConfig.inbox_bytes,
     kv_direct_timeout_s: float = KVStoreConfig.direct_timeout_s,
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size,
+    pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size,
     worker_threads: int | None = ParallelConfig.worker_threads,
     speculative_config: SpeculativeConfig | dict | str | None = EngineConfig.speculative,
     enable_lora: bool = False,
@@ -395,7 +434,7 @@ def create_engine_config(
     torch), whose executor models step times (engine_pod/sim)."""
     path = Path(model)
     speculative = SpeculativeConfig.parse(speculative_config)
-    parallel = ParallelConfig(tensor_parallel_size, worker_threads)
+    parallel = ParallelConfig(tensor_parallel_size, worker_threads, pipeline_parallel_size)
     arch = load_arch_config(path)
     parallel.validate_for(arch)
     lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
@@ -406,13 +445,14 @@ def create_engine_config(
         dev, model_dtype = None, None
     else:
         dev = _resolve_device(device)
-        _check_device_count(dev, tensor_parallel_size)
+        _check_device_count(dev, parallel)
         model_dtype = _resolve_dtype(dtype, arch, dev)
     if (kv_redis_url is not None or kv_inbox_bytes) and kv_mac_key is None:
         kv_mac_key = _kv_mac_key_from_env()
     kv_store = KVStoreConfig(kv_host_bytes, kv_redis_url, kv_redis_ttl, kv_redis_cluster, kv_write_queue_size,
                              kv_redis_key_prefix, kv_redis_ca_file, kv_redis_cert_file, kv_redis_key_file,
                              kv_redis_timeout, kv_mac_key, kv_inbox_bytes, kv_direct_timeout_s)
+    parallel.check_features(kv_store, lora)
     try:
         policy = SchedulingPolicy(scheduling_policy)
     except ValueError:

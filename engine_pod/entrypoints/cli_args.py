@@ -51,6 +51,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "TRITON_INTERPRET=1 (slow, for tests)")
     g.add_argument("--tensor-parallel-size", type=int, default=ParallelConfig.tensor_parallel_size,
                    help="ranks to split the model across, one worker process each (gloo on CPU, nccl on CUDA)")
+    g.add_argument("--pipeline-parallel-size", type=int, default=ParallelConfig.pipeline_parallel_size,
+                   help="pipeline stages to split the layers across, each of --tensor-parallel-size ranks "
+                        "(one worker process per rank; one batch in flight at a time)")
     g.add_argument("--speculative-config", default=EngineConfig.speculative,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\'')
@@ -118,6 +121,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_inbox_bytes=args.kv_inbox_bytes,
         kv_direct_timeout_s=args.kv_direct_timeout,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         speculative_config=args.speculative_config,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,

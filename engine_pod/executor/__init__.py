@@ -7,9 +7,9 @@ from engine_pod.executor.abstract import Executor
 
 
 def create_executor(config: EngineConfig) -> Executor:
-    """In process at TP=1; one worker process per rank above. Imported here:
+    """In process at TP=PP=1; one worker process per rank above. Imported here:
     the model runner needs torch, which a simulated pod never loads."""
-    if config.parallel.tensor_parallel_size == 1:
+    if config.parallel.world_size == 1:
         from engine_pod.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor(config)

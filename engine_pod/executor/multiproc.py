@@ -1,10 +1,13 @@
-"""Tensor parallelism: one worker process per rank behind one ``execute_model``.
+"""Tensor and pipeline parallelism: one worker process per rank behind one
+``execute_model``.
 
 Workers are spawned once (spawn, not fork: a forked copy of a process that
-already runs torch threads or CUDA is unsafe). Each call is broadcast to
-every rank through a shared-memory ring (distributed/shm_broadcast.py);
-results come back from rank 0 over its pipe. The engine core sees the same
-interface as at TP=1 and never learns how many workers there are.
+already runs torch threads or CUDA is unsafe): PP x TP of them, rank =
+stage * tp_size + tp_rank. Each call is broadcast to every rank through a
+shared-memory ring (distributed/shm_broadcast.py); results come back over its
+pipe from the rank that samples: rank 0, or under PP the last stage's TP
+rank 0. The engine core sees the same interface as at TP=1 and never learns
+how many workers there are.
 
 With a KV store, the store stays in this process and holds whole blocks:
 loads travel to every rank in the broadcast (each copies in its KV heads);
@@ -14,7 +17,9 @@ them, and the executor assembles and stores the whole blocks
 
 Failure: while waiting, the executor watches every worker's pipe and process
 sentinel together, so a worker that raises (its traceback arrives on its
-pipe) or dies (its sentinel fires) fails the call at once with that cause;
+pipe) or dies (its sentinel fires) fails the call at once with that cause
+(also while the others block in a collective or, under PP, in a receive from
+the dead stage: they are terminated, not waited for);
 the remaining workers are stopped before the error is raised, and every later
 call raises the same error. Workers watch their parent in turn and exit if it
 disappears, so no process outlives the engine.
@@ -37,6 +42,7 @@ import torch
 
 from engine_pod.config import EngineConfig
 from engine_pod.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine_pod.distributed.parallel_state import sampler_rank
 from engine_pod.distributed.shm_broadcast import BroadcastWriter
 from engine_pod.executor.abstract import Executor
 from engine_pod.executor.kv_store_writer import put_step_blocks
@@ -62,7 +68,7 @@ def _picklable(scheduler_output: SchedulerOutput) -> SchedulerOutput:
 
 
 class WorkerError(RuntimeError):
-    """A tensor-parallel worker died or raised: the engine cannot continue."""
+    """A tensor- or pipeline-parallel worker died or raised: the engine cannot continue."""
 
 
 @dataclass
@@ -98,9 +104,16 @@ def _stop_workers(workers: list[_Worker], channel: BroadcastWriter, rendezvous_d
 
 class MultiProcExecutor(Executor):
     def __init__(self, config: EngineConfig, world_size: int | None = None) -> None:
-        """``world_size`` defaults to the configured TP size (the overhead
+        """``world_size`` defaults to the configured PP x TP size (the overhead
         benchmark runs one rank through this executor)."""
-        self.world_size = world_size or config.parallel.tensor_parallel_size
+        self.pp_size = config.parallel.pipeline_parallel_size
+        self.world_size = world_size or config.parallel.world_size
+        if self.world_size % self.pp_size:
+            raise ValueError(f"world_size={self.world_size} is not a multiple of "
+                             f"pipeline_parallel_size={self.pp_size}")
+        self.tp_size = self.world_size // self.pp_size
+        # The rank whose replies are the engine's results: the one that samples.
+        self.sampler_rank = sampler_rank(self.world_size, self.pp_size)
         self._failure: str | None = None
         self._starting = True
         self._forward_seconds = 0.0
@@ -124,9 +137,9 @@ class MultiProcExecutor(Executor):
             receive, send = ctx.Pipe(duplex=False)
             spec = WorkerSpec(
                 rank, self.world_size, config, os.path.join(self._rendezvous_dir, "store"),
-                self._channel.reader_spec(), send, os.getpid(), threads,
+                self._channel.reader_spec(), send, os.getpid(), threads, self.pp_size,
             )
-            process = ctx.Process(target=run_worker, args=(spec,), name=f"tessera-tp-rank{rank}", daemon=True)
+            process = ctx.Process(target=run_worker, args=(spec,), name=f"tessera-rank{rank}", daemon=True)
             process.start()
             send.close()  # the worker holds the only write end: EOF when it dies
             self._workers.append(_Worker(rank, process, receive))
@@ -137,7 +150,8 @@ class MultiProcExecutor(Executor):
             raise
         self._channel.unlink()  # every rank has mapped it
         self._starting = False
-        logger.info("%d tensor-parallel workers ready (pids %s)", self.world_size, self.worker_pids)
+        logger.info("%d workers ready (PP=%d x TP=%d, pids %s)", self.world_size, self.pp_size, self.tp_size,
+                    self.worker_pids)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -161,12 +175,12 @@ class MultiProcExecutor(Executor):
         start = time.perf_counter()
         meta = scheduler_output.kv_connector if self._kv_store is not None else None
         # Every rank replies only on steps that read blocks back for the store
-        # (its heads of them); ordinary steps keep the one reply of rank 0.
+        # (its heads of them); ordinary steps keep the one reply of the sampling rank.
         gather = meta is not None and meta.reads_blocks
-        ranks = range(self.world_size) if gather else [0]
+        ranks = range(self.world_size) if gather else [self.sampler_rank]
         self._broadcast(WorkerCall("execute_model", (_picklable(scheduler_output),), all_ranks_reply=gather))
         replies = self._collect(ranks, timeout=None)
-        reply = replies[0]
+        reply = replies[self.sampler_rank]
         self.channel_seconds += time.perf_counter() - start - reply.call_seconds
         self.num_steps += 1
         out: ModelRunnerOutput = reply.value
@@ -214,7 +228,7 @@ class MultiProcExecutor(Executor):
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = wait([*by_conn, *by_sentinel], timeout=remaining)
             if not ready:
-                self._fail(f"tensor-parallel workers {sorted(pending)} did not answer within {timeout:.0f}s")
+                self._fail(f"{self._kind} workers {sorted(pending)} did not answer within {timeout:.0f}s")
             # Pipes first: a worker that raised sends its traceback, then dies.
             for conn in (r for r in ready if r in by_conn):
                 reply = self._receive(by_conn[conn])
@@ -250,7 +264,7 @@ class MultiProcExecutor(Executor):
     def _fail_with_error(self, worker: _Worker, error: str):
         """A rank's traceback; but when another rank died silently, that death
         is the cause (the survivors' collectives fail because of it)."""
-        message = f"tensor-parallel worker rank {worker.rank} failed:\n{error}"
+        message = f"{self._worker_name(worker)} failed:\n{error}"
         for other in self._workers:
             if other is not worker and not other.process.is_alive() and not other.replies.poll():
                 message = f"{self._death_message(other)}; rank {worker.rank} then failed:\n{error}"
@@ -261,11 +275,23 @@ class MultiProcExecutor(Executor):
         worker.process.join(1.0)  # let the exit code settle
         code = worker.process.exitcode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-        message = f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) {how}"
+        message = f"{self._worker_name(worker, pid=True)} {how}"
         if self._starting:
-            message += (" during start-up (its stderr shows why; a script that builds a tensor-parallel engine "
+            message += (f" during start-up (its stderr shows why; a script that builds a {self._kind} engine "
                         "needs an `if __name__ == '__main__':` guard, since spawned workers import it)")
         return message
+
+    @property
+    def _kind(self) -> str:
+        return "pipeline-parallel" if self.pp_size > 1 else "tensor-parallel"
+
+    def _worker_name(self, worker: _Worker, pid: bool = False) -> str:
+        """"tensor-parallel worker rank 1 (pid 42)"; under PP with its stage:
+        "pipeline-parallel worker rank 2 (pid 42, stage 1)"."""
+        details = [f"pid {worker.process.pid}"] if pid else []
+        if self.pp_size > 1:
+            details.append(f"stage {worker.rank // self.tp_size}")
+        return f"{self._kind} worker rank {worker.rank}" + (f" ({', '.join(details)})" if details else "")
 
     def _fail(self, message: str):
         """Stop every worker, remember why, and raise it (now and on every later call)."""

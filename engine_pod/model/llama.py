@@ -13,6 +13,14 @@ built, and a float32/bf16/fp16 model) that is one kernel, as are rotary and SiLU
 Under tensor parallelism each rank builds the same modules with its share of
 the heads, the intermediate size and the vocabulary (parallel_layers.py):
 one all-reduce after the attention output and one after the MLP.
+
+Under pipeline parallelism each stage builds only its decoder layers
+(``PipelineGroup``/``stage_layers``; the others are weightless placeholders,
+so checkpoint names keep their layer indices and are skipped): the first
+stage owns the embedding, the last the final norm and the LM head (with tied
+embeddings the last stage holds the embedding too, as its LM head). A stage
+after the first starts from the hidden states and residual stream the
+previous stage sent; a stage before the last returns them for the next.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import torch
 from torch import nn
 
 from engine_pod.attention.abstract import AttentionBackend, AttentionMetadata
-from engine_pod.distributed.parallel_state import TensorParallelGroup
+from engine_pod.distributed.parallel_state import PipelineGroup, TensorParallelGroup, single_stage, stage_layers
 from engine_pod.model.hf_config import ModelArchConfig
 from engine_pod.model.layers import RMSNorm, silu_and_mul
 from engine_pod.model.parallel_layers import (
@@ -120,12 +128,19 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
+class PPMissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: no weights, never called."""
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self, cfg: ModelArchConfig, max_model_len: int, dtype: torch.dtype, backend: AttentionBackend,
-        group: TensorParallelGroup,
+        group: TensorParallelGroup, pp: PipelineGroup, tie_word_embeddings: bool = False,
     ):
         super().__init__()
+        self.is_first_stage, self.is_last_stage = pp.is_first_stage, pp.is_last_stage
+        # The decoder layers this stage runs (all of them at PP=1).
+        self.stage_layers = stage_layers(cfg.num_hidden_layers, pp.stage, pp.num_stages)
         inv_freq, scale = compute_inv_freq(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, max_model_len
         )
@@ -133,48 +148,69 @@ class LlamaModel(nn.Module):
         cpu_kernels = backend.name == "cpu" and dtype in CPU_KERNEL_DTYPES
         # One table shared by every layer (not a parameter, not in the checkpoint).
         rotary = RotaryEmbedding(cfg.head_dim, max_model_len, inv_freq, scale, dtype, cpu_kernels)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
+        # The last stage's tied LM head is the embedding's weight.
+        has_embedding = self.is_first_stage or (self.is_last_stage and tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group) if has_embedding else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary, backend, group, cpu_kernels) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, rotary, backend, group, cpu_kernels) if i in self.stage_layers
+            else PPMissingLayer()
+            for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cpu_kernels)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cpu_kernels) if self.is_last_stage else None
 
     def forward(
-        self, input_ids, positions, kv_caches: list[torch.Tensor], md: AttentionMetadata, output_rows=None
-    ) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        last = len(self.layers) - 1
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            # Only the last layer can drop rows: earlier ones feed every row's K/V onwards.
-            hidden, residual = layer(positions, hidden, residual, kv_cache, md, output_rows if i == last else None)
+        self, input_ids, positions, kv_caches: list[torch.Tensor], md: AttentionMetadata, output_rows=None,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The last stage: residual + hidden of ``output_rows``. A stage
+        before it: (hidden, residual) of every row, for the next stage.
+        ``kv_caches`` are this stage's layers'; ``intermediate`` is what the
+        previous stage sent (None on the first stage)."""
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
+        layers = self.layers[self.stage_layers.start : self.stage_layers.stop]
+        last = len(layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
+            # Only the model's last layer can drop rows: earlier ones feed every row's K/V onwards.
+            rows = output_rows if i == last and self.is_last_stage else None
+            hidden, residual = layer(positions, hidden, residual, kv_cache, md, rows)
+        if not self.is_last_stage:
+            return hidden, residual
         return residual + hidden
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self, cfg: ModelArchConfig, max_model_len: int, dtype: torch.dtype, backend: AttentionBackend,
-        group: TensorParallelGroup,
+        group: TensorParallelGroup, pp: PipelineGroup | None = None,
     ):
         super().__init__()
         self.config = cfg
         self.group = group
-        self.model = LlamaModel(cfg, max_model_len, dtype, backend, group)
-        if cfg.tie_word_embeddings:
+        self.pp = pp or single_stage(group)
+        self.model = LlamaModel(cfg, max_model_len, dtype, backend, group, self.pp, cfg.tie_word_embeddings)
+        if cfg.tie_word_embeddings or not self.pp.is_last_stage:
             self.lm_head = None
         else:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, group)
 
-    def forward(self, input_ids, positions, kv_caches, md, output_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv_caches, md, output_rows: torch.Tensor | None = None,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Hidden states (before the final norm) of the tokens ``output_rows``
         selects (the ones that sample; every token when None): [rows, hidden].
         All tokens' K/V are cached either way. In a prefill step most tokens
         sample nothing, and skipping their last-layer o_proj and MLP saves
-        about 1/num_layers of the step's GEMMs."""
-        return self.model(input_ids, positions, kv_caches, md, output_rows)
+        about 1/num_layers of the step's GEMMs. Under PP a stage before the
+        last returns (hidden, residual) of every token instead, and a stage
+        after the first starts from the previous stage's (``intermediate``)."""
+        return self.model(input_ids, positions, kv_caches, md, output_rows, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits of selected hidden states, on rank 0 only (None on the
-        others: they do not sample). The final norm is per-row, so applying
+        """Logits of selected hidden states, on the last stage's TP rank 0
+        only (None on the others: they do not sample; only the last stage
+        calls this). The final norm is per-row, so applying
         it to sampled positions only is exact and cheaper."""
         hidden = self.model.norm(hidden)
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head

@@ -2,7 +2,9 @@
 
 Tensors are read lazily (safetensors slices): a module that holds a
 tensor-parallel shard reads only its rows or columns, so no rank ever holds
-the whole model, and peak extra memory is one shard of one tensor.
+the whole model, and peak extra memory is one shard of one tensor. Under
+pipeline parallelism a stage's model has parameters for its own layers only,
+so the other stages' tensors are skipped unread.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine_pod.attention.abstract import AttentionBackend
-from engine_pod.distributed.parallel_state import TensorParallelGroup, single_rank_group
+from engine_pod.distributed.parallel_state import PipelineGroup, TensorParallelGroup, single_rank_group
 from engine_pod.model.hf_config import ModelArchConfig
 from engine_pod.model.llama import STACKED_PARAMS, LlamaForCausalLM
 from engine_pod.model.parallel_layers import pack_cpu_weights
@@ -103,13 +105,14 @@ def build_model(
     device: torch.device,
     backend: AttentionBackend,
     group: TensorParallelGroup | None = None,
+    pp: PipelineGroup | None = None,
 ) -> LlamaForCausalLM:
     group = group or single_rank_group(device)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_model_len, dtype, backend, group)
+            model = LlamaForCausalLM(cfg, max_model_len, dtype, backend, group, pp)
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, model_path)

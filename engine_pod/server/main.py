@@ -241,8 +241,8 @@ def _executor_factory(args: argparse.Namespace, config: EngineConfig) -> Callabl
         if config.device.type == "cpu":
             threads = args.cpu_threads or cpu_share()
             torch.set_num_threads(threads)
-            # Under tensor parallelism the ranks compute and share the pod's CPUs.
-            config.parallel.worker_threads = max(1, threads // config.parallel.tensor_parallel_size)
+            # Under tensor and pipeline parallelism the ranks compute and share the pod's CPUs.
+            config.parallel.worker_threads = max(1, threads // config.parallel.world_size)
         return lambda: None
     profile = StepTimeProfile.load(args.simulate)
     return lambda: SimulatedExecutor(config, profile)

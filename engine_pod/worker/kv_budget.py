@@ -17,13 +17,16 @@ logger = logging.getLogger(__name__)
 
 def determine_num_blocks(config: EngineConfig, model: LlamaForCausalLM, device: torch.device, tp_size: int) -> int:
     """An explicit byte budget wins on any device; otherwise CUDA profiles
-    and the CPU takes its default budget."""
+    and the CPU takes its default budget. Under PP a rank's blocks hold its
+    stage's layers only (so the budget gives more of them)."""
     budget = config.cache.kv_cache_memory_bytes
     if budget is None and device.type == "cuda":
         budget = profile_cuda_budget(config, model, device, tp_size)
     elif budget is None:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
-    return int(budget // bytes_per_block(config.model.arch, config.cache.block_size, config.model.dtype, tp_size))
+    num_layers = len(model.model.stage_layers)
+    return int(budget // bytes_per_block(config.model.arch, config.cache.block_size, config.model.dtype, tp_size,
+                                         num_layers))
 
 
 @torch.inference_mode()
@@ -36,15 +39,22 @@ def profile_cuda_budget(config: EngineConfig, model: LlamaForCausalLM, device: t
     num_blocks = sum(-(-n // block_size) for n in lens)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    caches = list(allocate_kv_caches(arch, num_blocks, block_size, config.model.dtype, device, tp_size))
+    stage = model.model
+    caches = list(allocate_kv_caches(arch, num_blocks, block_size, config.model.dtype, device, tp_size,
+                                     len(stage.stage_layers)))
     block_ids, next_block = [], 0
     for n in lens:
         nb = -(-n // block_size)
         block_ids.append(list(range(next_block, next_block + nb)))
         next_block += nb
     batch = build_batch([[0] * n for n in lens], [0] * len(lens), block_ids, block_size, device)
-    hidden = model(batch.input_ids, batch.positions, caches, batch.metadata)
-    model.compute_logits(hidden[-min(sched.max_num_seqs, len(hidden)) :])
+    intermediate = None
+    if not stage.is_first_stage:  # what the previous stage would send: every token's hidden and residual
+        shape = (len(batch.input_ids), arch.hidden_size)
+        intermediate = tuple(torch.zeros(shape, dtype=config.model.dtype, device=device) for _ in range(2))
+    hidden = model(batch.input_ids, batch.positions, caches, batch.metadata, None, intermediate)
+    if stage.is_last_stage:
+        model.compute_logits(hidden[-min(sched.max_num_seqs, len(hidden)) :])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - sum(c.numel() * c.element_size() for c in caches)
     del caches, hidden

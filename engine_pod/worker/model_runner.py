@@ -18,6 +18,14 @@ logits are computed at the last verified token and at every draft, the
 rejection sampler keeps the accepted prefix, and rank 0 proposes the next
 drafts from the updated context. The broadcast is then a [B, k + 1] table of
 emitted tokens padded with -1, since requests keep different numbers.
+
+Under pipeline parallelism every rank still gets the same scheduler output
+and builds the same batch; a stage after the first receives the previous
+stage's hidden states and residual stream ([tokens, hidden] each, model
+dtype) instead of embedding, a stage before the last sends its own on, and
+only the last stage computes logits. Its TP rank 0 samples and broadcasts the
+emitted table to every rank of every stage (tp_follower.py): one batch in
+flight at a time, so the stages take turns (no micro-batching).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import torch
 from engine_pod.attention.selector import get_attention_backend
 from engine_pod.config import EngineConfig
 from engine_pod.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from engine_pod.distributed.parallel_state import TensorParallelGroup, single_rank_group
+from engine_pod.distributed.parallel_state import PipelineGroup, TensorParallelGroup, single_rank_group, single_stage
 from engine_pod.lora.layers import ModelLoRA, attach_lora
 from engine_pod.model.loader import build_model
 from engine_pod.model.parallel_layers import kv_head_range
@@ -44,7 +52,7 @@ from engine_pod.worker.kv_connector_worker import KVConnectorWorker
 from engine_pod.worker.request_state import CachedRequestState, update_request_states
 from engine_pod.worker.runner_output import make_runner_output
 from engine_pod.worker.sampling_metadata import build_sampling_metadata, grammar_bitmask_rows
-from engine_pod.worker.tp_follower import follow_first_rank
+from engine_pod.worker.tp_follower import follow_sampler
 from kv_store.codec import BlockLayout
 
 # Weights from this size on are moved onto 2 MiB pages once loaded (cpu_malloc.collapse_heap_to_huge_pages):
@@ -66,13 +74,18 @@ class ModelRunner:
 
     Invariants: ``requests`` mirrors the scheduler's view after each
     execute_model (new requests added, finished ones dropped, emitted tokens
-    appended), identically on every rank; only rank 0's output carries
-    results; the KV cache exists before the first execute_model.
+    appended), identically on every rank; only the sampling rank's output
+    carries results (rank 0; under PP the last stage's TP rank 0); the KV
+    cache (of this stage's layers) exists before the first execute_model.
     """
 
-    def __init__(self, config: EngineConfig, group: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, group: TensorParallelGroup | None = None, pp: PipelineGroup | None = None
+    ) -> None:
         self.config = config
         self.group = group or single_rank_group(config.device)
+        # This rank's pipeline stage (the only one at PP=1).
+        self.pp = pp or single_stage(self.group)
         self.device = self.group.device
         self.dtype = config.model.dtype
         self.arch = config.model.arch
@@ -84,8 +97,10 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, self.device, self.arch.head_dim, self.dtype)
         self.model = build_model(
             self.arch, config.model.path, config.model.max_model_len, self.dtype, self.device, self.backend,
-            self.group,
+            self.group, self.pp,
         )
+        # The decoder layers (and so the KV cache layers) of this rank's stage.
+        self.num_layers = len(self.model.model.stage_layers)
         self.lora: ModelLoRA | None = None
         if config.lora is not None:
             self.lora = attach_lora(
@@ -104,7 +119,7 @@ class ModelRunner:
 
     # -- KV cache (kv_budget.py) ------------------------------------------
     def bytes_per_block(self) -> int:
-        return bytes_per_block(self.arch, self.block_size, self.dtype, self.group.world_size)
+        return bytes_per_block(self.arch, self.block_size, self.dtype, self.group.world_size, self.num_layers)
 
     def weight_bytes(self) -> int:
         return kv_budget.weight_bytes(self.model)
@@ -117,7 +132,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = allocate_kv_caches(
-            self.arch, num_blocks, self.block_size, self.dtype, self.device, self.group.world_size
+            self.arch, num_blocks, self.block_size, self.dtype, self.device, self.group.world_size, self.num_layers
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         if self.device.type == "cpu" and self.weight_bytes() >= HUGE_PAGE_WEIGHT_BYTES:
@@ -156,16 +171,23 @@ class ModelRunner:
         rows = None if len(batch.logits_indices) == batch.metadata.num_actual_tokens else batch.logits_indices
         if self.lora is not None:
             self.lora.set_mapping(batch.token_lora_slots, None if rows is None else batch.logits_indices_cpu)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, rows)
-        logits = self.model.compute_logits(hidden) if batch.sampling_states else None
+        pp = self.pp
+        intermediate = None
+        if not pp.is_first_stage:
+            shape = (batch.metadata.num_actual_tokens, self.arch.hidden_size)
+            intermediate = tuple(pp.recv_from_previous_stage(2, shape, self.dtype))
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, rows, intermediate)
+        if not pp.is_last_stage:
+            pp.send_to_next_stage(list(hidden))
+            hidden = None
+        logits = self.model.compute_logits(hidden) if batch.sampling_states and pp.is_last_stage else None
         self.forward_seconds += time.perf_counter() - start
         if not batch.sampling_states:
             return ModelRunnerOutput({})
-        if not self.group.is_first:
-            return follow_first_rank(batch, self.group)
+        if not pp.is_sampler:
+            return follow_sampler(batch, pp)
         emitted, out = self._sample(logits, batch, grammar_bitmask_rows(so, batch, self.device))
-        if self.group.world_size > 1:
-            self.group.broadcast_from_first(emitted.contiguous())
+        pp.broadcast_from_sampler(emitted.contiguous())
         return make_runner_output(batch, emitted.tolist(), out, self.drafter)
 
     def _sample(

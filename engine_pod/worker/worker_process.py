@@ -1,8 +1,10 @@
-"""The main of one tensor-parallel worker process (one per rank).
+"""The main of one worker process (one per rank: PP stages x TP ranks).
 
-It joins the process group, builds its shard of the model, reports ready,
-then runs whatever the executor broadcasts until told to stop. Only rank 0
-answers ordinary calls (its results are the engine's); every rank answers
+It joins the process group (and its stage's TP subgroup under PP), builds its
+shard of the model (its stage's layers, its TP share of them), reports ready,
+then runs whatever the executor broadcasts until told to stop. Only the rank
+that samples (rank 0; under PP the last stage's TP rank 0) answers ordinary
+calls (its results are the engine's); every rank answers
 calls that need all of them (the KV block count, start-up, steps whose KV
 blocks go to the store: each rank's heads of them), and any rank
 reports its own failure, so the executor can fail fast with the worker's own
@@ -21,7 +23,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from engine_pod.config import EngineConfig
-from engine_pod.distributed.parallel_state import destroy_tensor_parallel_group, init_tensor_parallel_group
+from engine_pod.distributed.parallel_state import destroy_tensor_parallel_group, init_parallel_groups, sampler_rank
 from engine_pod.distributed.shm_broadcast import BroadcastReader, ChannelSpec
 
 
@@ -35,6 +37,12 @@ class WorkerSpec:
     replies: Connection  # this rank's pipe back to the executor
     parent_pid: int
     torch_threads: int | None
+    pp_size: int = 1  # pipeline stages; the TP size is world_size // pp_size
+
+    @property
+    def sampler_rank(self) -> int:
+        """The rank whose replies carry the step's results: the last stage's first."""
+        return sampler_rank(self.world_size, self.pp_size)
 
 
 @dataclass
@@ -72,8 +80,9 @@ def run_worker(spec: WorkerSpec) -> None:
 
         if spec.torch_threads and spec.config.device.type == "cpu":
             torch.set_num_threads(spec.torch_threads)
-        group = init_tensor_parallel_group(spec.rank, spec.world_size, spec.rendezvous_path, spec.config.device)
-        runner = ModelRunner(spec.config, group)
+        group, pp = init_parallel_groups(spec.rank, spec.world_size // spec.pp_size, spec.pp_size,
+                                         spec.rendezvous_path, spec.config.device)
+        runner = ModelRunner(spec.config, group, pp)
         reader = BroadcastReader(spec.channel, spec.rank)
     except BaseException:  # noqa: BLE001 - reported to the executor, which raises it
         spec.replies.send(WorkerReply("error", traceback.format_exc()))
@@ -89,7 +98,7 @@ def run_worker(spec: WorkerSpec) -> None:
         except BaseException:  # noqa: BLE001
             spec.replies.send(WorkerReply("error", traceback.format_exc()))
             raise SystemExit(1) from None
-        if call.all_ranks_reply or spec.rank == 0:
+        if call.all_ranks_reply or spec.rank == spec.sampler_rank:
             spec.replies.send(WorkerReply("ok", value, time.perf_counter() - start, runner.forward_seconds))
     reader.close()
     destroy_tensor_parallel_group()

@@ -39,6 +39,7 @@ FIELD_OF_KWARG = {
     "attention_backend": (EngineConfig, "attention_backend"),
     "speculative_config": (EngineConfig, "speculative"),
     "tensor_parallel_size": (ParallelConfig, "tensor_parallel_size"),
+    "pipeline_parallel_size": (ParallelConfig, "pipeline_parallel_size"),
     "kv_host_bytes": (KVStoreConfig, "host_bytes"),
     "kv_redis_url": (KVStoreConfig, "redis_url"),
     "kv_redis_ttl": (KVStoreConfig, "redis_ttl_seconds"),

@@ -91,6 +91,7 @@ def test_queue_bound_answers_resource_exhausted(tiny_llama, tmp_path):
 @pytest.mark.parametrize("flag,value,field", [
     ("--role", "router", "role"),
     ("--tensor-parallel-size", "0", "tensor_parallel_size"),
+    ("--pipeline-parallel-size", "0", "pipeline_parallel_size"),
     ("--max-waiting-requests", "0", "max_waiting_requests"),
     ("--drain-timeout", "-1", "drain_timeout"),
     ("--kv-host-bytes", "-1", "kv_host_bytes"),
