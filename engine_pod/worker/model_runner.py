@@ -52,6 +52,7 @@ from engine_pod.worker.kv_connector_worker import KVConnectorWorker
 from engine_pod.worker.request_state import CachedRequestState, update_request_states
 from engine_pod.worker.runner_output import make_runner_output
 from engine_pod.worker.sampling_metadata import build_sampling_metadata, grammar_bitmask_rows
+from engine_pod.worker.stage_timing import StageTiming
 from engine_pod.worker.tp_follower import follow_sampler
 from kv_store.codec import BlockLayout
 
@@ -116,6 +117,10 @@ class ModelRunner:
         self.kv_connector: KVConnectorWorker | None = None
         # Seconds spent in the forward and logits (for the efficiency figure).
         self.forward_seconds = 0.0
+        # Pipeline-stage figures (stage_timing.py): steps, their wall time, and the waits within.
+        self.stage_steps = 0
+        self.stage_step_seconds = 0.0
+        self.stage_wait_seconds = 0.0
 
     # -- KV cache (kv_budget.py) ------------------------------------------
     def bytes_per_block(self) -> int:
@@ -162,9 +167,22 @@ class ModelRunner:
             out.kv_connector_output = self.kv_connector.after_forward(connector_meta)
         return out
 
+    def stage_timing(self) -> StageTiming:
+        """This rank's pipeline-stage figures so far (collective_rpc reads every rank's)."""
+        return StageTiming(self.pp.stage, self.group.rank, self.stage_steps, self.stage_step_seconds,
+                           self.stage_wait_seconds)
+
     def _forward_and_sample(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if so.is_empty:
             return ModelRunnerOutput({})
+        entered = time.perf_counter()
+        try:
+            return self._run_step(so)
+        finally:
+            self.stage_steps += 1
+            self.stage_step_seconds += time.perf_counter() - entered
+
+    def _run_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
         batch = prepare_inputs(so, self.requests, self.block_size, self.device)
         start = time.perf_counter()
         # Every row samples in a decode-only step: no rows to drop, so no copy.
@@ -175,7 +193,9 @@ class ModelRunner:
         intermediate = None
         if not pp.is_first_stage:
             shape = (batch.metadata.num_actual_tokens, self.arch.hidden_size)
+            waited = time.perf_counter()
             intermediate = tuple(pp.recv_from_previous_stage(2, shape, self.dtype))
+            self.stage_wait_seconds += time.perf_counter() - waited
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, rows, intermediate)
         if not pp.is_last_stage:
             pp.send_to_next_stage(list(hidden))
@@ -185,7 +205,11 @@ class ModelRunner:
         if not batch.sampling_states:
             return ModelRunnerOutput({})
         if not pp.is_sampler:
-            return follow_sampler(batch, pp)
+            waited = time.perf_counter()
+            try:
+                return follow_sampler(batch, pp)
+            finally:
+                self.stage_wait_seconds += time.perf_counter() - waited
         emitted, out = self._sample(logits, batch, grammar_bitmask_rows(so, batch, self.device))
         pp.broadcast_from_sampler(emitted.contiguous())
         return make_runner_output(batch, emitted.tolist(), out, self.drafter)

@@ -33,6 +33,8 @@ def add_bench_parser(sub) -> None:
     fleet.add_parser(kinds)
     from tessera_tools.bench import pd
     pd.add_parser(kinds)
+    from tessera_tools.bench import pp
+    pp.add_parser(kinds)
     bench.set_defaults(func=run_bench)
 
 
