@@ -35,6 +35,8 @@ def add_bench_parser(sub) -> None:
     pd.add_parser(kinds)
     from tessera_tools.bench import pp
     pp.add_parser(kinds)
+    from tessera_tools.bench import latency
+    latency.add_parser(kinds)
     bench.set_defaults(func=run_bench)
 
 
