@@ -105,6 +105,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
                "tessera_tools.render:add_parser"),
     "validate": ("check InferenceService files against the CRD schema and the operator's rules",
                  "tessera_tools.validate:add_parser"),
+    "tune": ("find the engine settings with the most goodput that holds SLOs, by running them here",
+             "tessera_tools.tune:add_parser"),
 }
 
 

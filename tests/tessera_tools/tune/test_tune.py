@@ -1,0 +1,121 @@
+"""`tessera tune`: the search's pruning on a scripted goodput curve, and the
+command end to end on the tiny model (a two-point search of real `tessera
+up` platforms under load), with every bad input refused before anything
+starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tessera_tools.cli import main
+from tessera_tools.tune.knobs import Knob, parse_knob
+from tessera_tools.tune.search import Trial, best_of, search
+from tessera_tools.tune.slo import misses, parse_slo, per_request_bounds
+
+
+def _resource(max_num_seqs: int = 1) -> dict:
+    return {"apiVersion": "tessera.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "tuned", "namespace": "default"},
+            "spec": {"model": {"name": "tiny", "pvc": {"claimName": "models", "path": "tiny"}, "dtype": "float32",
+                               "maxModelLen": 512},
+                     "mode": "mixed", "engine": {"maxNumSeqs": max_num_seqs, "maxNumBatchedTokens": 512},
+                     "pools": {"mixed": {"replicas": 1}}}}
+
+
+@pytest.fixture
+def models_dir(tiny_llama, tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "tiny").symlink_to(tiny_llama)
+    return models
+
+
+def _write(tmp_path, resource: dict):
+    path = tmp_path / "inferenceservice.yaml"
+    path.write_text(yaml.safe_dump(resource))
+    return path
+
+
+def test_slos_parse_and_judge_a_summary():
+    slo = parse_slo("e2el:p99:500")
+    assert (slo.metric, slo.percentile, slo.bound_ms, slo.summary_key) == ("e2el", 99.0, 500.0, "p99_e2el_ms")
+    assert per_request_bounds([slo, parse_slo("e2el:p50:200"), parse_slo("itl:p90:40")]) == {"e2el": 200.0}
+    assert misses([slo], {"failed": 0, "p99_e2el_ms": 499.0}) == []
+    assert misses([slo], {"failed": 2, "p99_e2el_ms": 612.4}) == ["2 requests failed", "e2el p99 612 ms > 500 ms"]
+    for bad in ("e2el:99:500", "latency:p99:500", "e2el:p100:500", "e2el:p99:0", "e2el:p99"):
+        with pytest.raises(ValueError, match="SLO"):
+            parse_slo(bad)
+
+
+def test_the_search_walks_each_knob_and_stops_past_the_peak():
+    """Goodput peaks at maxNumSeqs 16 whatever the token budget, and a little at 1024 tokens."""
+    seqs = Knob("maxNumSeqs", (1, 2, 4, 8, 16, 32, 64, 128, 256))
+    tokens = Knob("maxNumBatchedTokens", (256, 512, 1024, 2048))
+    calls = []
+
+    def evaluate(settings):
+        calls.append(settings)
+        s, t = settings["maxNumSeqs"], settings["maxNumBatchedTokens"]
+        goodput = 10 - abs(s.bit_length() - 5) - 0.1 * abs(t.bit_length() - 11)
+        return Trial(settings, goodput, meets=s <= 64)
+
+    trials = search([seqs, tokens], {"maxNumSeqs": 256, "maxNumBatchedTokens": 2048}, evaluate)
+    assert best_of(trials).settings == {"maxNumSeqs": 16, "maxNumBatchedTokens": 1024}
+    assert len(calls) == len({tuple(sorted(c.items())) for c in calls})  # no setting twice
+    assert len(trials) < len(seqs.values) * len(tokens.values)  # pruned: 32 and 64 end the walk past 16
+    assert {"maxNumSeqs": 128, "maxNumBatchedTokens": 2048} not in calls
+
+
+def test_knobs_parse():
+    assert parse_knob("maxNumSeqs=32,8,16") == Knob("maxNumSeqs", (8, 16, 32))
+    assert parse_knob("maxNumBatchedTokens").values == (512, 1024, 2048, 4096)
+    for bad, match in (("maxLoras=1", "not one this tuner searches"), ("maxNumSeqs=a", "INT"),
+                       ("maxNumSeqs=0,4", "positive")):
+        with pytest.raises(ValueError, match=match):
+            parse_knob(bad)
+
+
+@pytest.mark.parametrize("argv, resource, message", [
+    (["--knob", "maxLoras=1,2"], _resource(), "not one this tuner searches"),
+    (["--slo", "e2el:p99"], _resource(), "expected METRIC:pNN:MS"),
+    (["--request-rates", "4,2"], _resource(), "ascending"),
+    ([], _resource(max_num_seqs=0), "maxNumSeqs"),
+])
+def test_bad_inputs_exit_2_before_anything_starts(tmp_path, models_dir, capsys, argv, resource, message):
+    rc = main(["tune", "-f", str(_write(tmp_path, resource)), "--models-dir", str(models_dir),
+               "--slo", "e2el:p99:60000", *argv, "--output-dir", str(tmp_path / "out")])
+    assert rc == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+TUNE = ["--request-rates", "4", "--num-prompts", "8", "--max-prompt-len", "48", "--max-output-len", "8",
+        "--ready-timeout", "120"]
+
+
+def test_a_two_point_search_end_to_end(tmp_path, models_dir):
+    out = tmp_path / "out"
+    rc = main(["tune", "-f", str(_write(tmp_path, _resource())), "--models-dir", str(models_dir), *TUNE,
+               "--slo", "e2el:p99:60000", "--knob", "maxNumSeqs=1,4", "--output-dir", str(out)])
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [t["settings"]["maxNumSeqs"] for t in report["trials"]] == [1, 4]
+    for trial in report["trials"]:
+        (run,) = trial["rates"]
+        assert trial["meets_slos"] and run["completed"] == 8 and run["failed"] == 0 and trial["goodput"] > 0
+    patch = yaml.safe_load((out / "patch.yaml").read_text())
+    assert patch == {"spec": {"engine": {"maxNumSeqs": report["best"]["settings"]["maxNumSeqs"]}}}
+    tuned = yaml.safe_load((out / "tuned.yaml").read_text())
+    assert tuned["spec"]["engine"]["maxNumBatchedTokens"] == 512 and tuned["metadata"]["name"] == "tuned"
+    assert (out / "goodput_vs_maxNumSeqs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_slo_no_setting_meets_exits_1_saying_so(tmp_path, models_dir, capsys):
+    rc = main(["tune", "-f", str(_write(tmp_path, _resource())), "--models-dir", str(models_dir), *TUNE,
+               "--slo", "ttft:p50:0.01", "--knob", "maxNumSeqs=1", "--output-dir", str(tmp_path / "out")])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "no setting tried met ttft p50 <= 0.01 ms" in err
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["met"] is False
