@@ -42,7 +42,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
         raise ValueError("give at least one --prompt or a --prompts-file")
-    llm = LLM(args.model, **engine_kwargs(args))
+    # Checked before the engine loads the model: a bad value fails in milliseconds, not seconds.
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -51,6 +51,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         n=args.n,
     )
+    llm = LLM(args.model, **engine_kwargs(args))
     outputs = llm.generate(prompts, params)
     for out in outputs:
         for completion in out.outputs:

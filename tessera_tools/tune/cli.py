@@ -13,8 +13,8 @@ from tessera_tools.tune.slo import SLO, parse_slo
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("tune", help="find the engine settings of an InferenceService with the most goodput "
-                                    "that holds SLOs, by running it here")
+    p = sub.add_parser("tune", help="find the engine settings with the most goodput that holds SLOs, "
+                                    "by running them here")
     p.add_argument("-f", "--file", required=True, help="the InferenceService YAML to tune")
     p.add_argument("--models-dir", default="models", help="local folder standing in for the model PVC (tessera up)")
     p.add_argument("--slo", action="append", default=[], required=True,
