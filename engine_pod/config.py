@@ -209,6 +209,57 @@ class KVStoreConfig:
         return self.host_bytes > 0 or self.redis_url is not None or self.inbox_bytes > 0
 
 
+@dataclass(frozen=True)
+class NodeLayout:
+    """How the PP x TP ranks of one engine spread over processes that may be
+    on different machines (one pod per node, e.g. a LeaderWorkerSet group).
+    Node k hosts ranks [k * W / nnodes, (k + 1) * W / nnodes) of the W in
+    all; with nnodes = PP each node holds one stage's TP ranks."""
+
+    nnodes: int = 1
+    """Processes (pods, nodes) the ranks span; 1: all on this machine."""
+    node_rank: int = 0
+    """This process's node: 0 is the leader (engine core, scheduler, gRPC
+    server and its own ranks); above 0 runs only its local ranks."""
+    master_addr: str | None = None
+    """Where the leader listens for the other nodes (required when nnodes > 1)."""
+    master_port: int = 29500
+    """The leader's rendezvous port (torch.distributed TCPStore); the node
+    control channel listens on master_port + 1."""
+    join_timeout_s: float = 600.0
+    """How long the leader waits for every other node to join (and a node for
+    the leader to answer) before start-up fails: loading a large checkpoint
+    can take minutes."""
+
+    def __post_init__(self) -> None:
+        n = self.nnodes
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"nnodes must be a positive integer, got {n!r}")
+        k = self.node_rank
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < n:
+            raise ValueError(f"node_rank must be in 0..nnodes-1 (nnodes={n}), got {k!r}")
+        if n > 1 and not self.master_addr:
+            raise ValueError(f"master_addr: required with nnodes={n} (the leader's address the other nodes dial)")
+        port = self.master_port
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65535:
+            raise ValueError(f"master_port must be in 1-65534 (the node channel takes master_port + 1), got {port!r}")
+        if not self.join_timeout_s > 0:
+            raise ValueError(f"join_timeout_s must be > 0, got {self.join_timeout_s!r}")
+
+    @property
+    def is_leader(self) -> bool:
+        return self.node_rank == 0
+
+    def local_ranks(self, world_size: int) -> range:
+        """The global ranks this node hosts."""
+        return self.local_ranks_of(self.node_rank, world_size)
+
+    def local_ranks_of(self, node_rank: int, world_size: int) -> range:
+        """The global ranks node ``node_rank`` hosts."""
+        per_node = world_size // self.nnodes
+        return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
 @dataclass
 class ParallelConfig:
     """Tensor and pipeline parallelism: one worker process per rank
@@ -223,6 +274,8 @@ class ParallelConfig:
     """Pipeline stages the decoder layers are split across (vLLM's split:
     equal shares, the remainder one each to the stages before the last),
     each stage tensor_parallel_size ranks; one batch in flight at a time."""
+    nodes: NodeLayout = field(default_factory=NodeLayout)
+    """The processes (pods) the ranks span; one by default (``--nnodes``)."""
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -233,6 +286,15 @@ class ParallelConfig:
             raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
         if self.worker_threads is not None and self.worker_threads < 1:
             raise ValueError(f"worker_threads must be >= 1 or None, got {self.worker_threads!r}")
+        if self.world_size % self.nodes.nnodes:
+            raise ValueError(f"nnodes={self.nodes.nnodes} does not divide the world size {self.world_size} "
+                             f"(pipeline_parallel_size={pp} x tensor_parallel_size={tp}): every node hosts as "
+                             "many ranks")
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks (worker processes) on this node."""
+        return self.world_size // self.nodes.nnodes
 
     @property
     def world_size(self) -> int:
@@ -356,7 +418,7 @@ def _resolve_dtype(dtype: str | torch.dtype, arch: ModelArchConfig, device: torc
 def _check_device_count(device: torch.device, parallel: ParallelConfig) -> None:
     import torch
 
-    if device.type == "cuda" and parallel.world_size > torch.cuda.device_count():
+    if device.type == "cuda" and parallel.local_world_size > torch.cuda.device_count():
         sizes = f"tensor_parallel_size={parallel.tensor_parallel_size}"
         if parallel.pipeline_parallel_size > 1:
             sizes = f"pipeline_parallel_size={parallel.pipeline_parallel_size} x {sizes}"

@@ -160,16 +160,26 @@ def init_tensor_parallel_group(rank: int, world_size: int, store_path: str,
 
 
 def init_parallel_groups(rank: int, tp_size: int, pp_size: int, store_path: str,
-                         device: torch.device) -> tuple[TensorParallelGroup, PipelineGroup]:
+                         device: torch.device, local_rank: int | None = None,
+                         store_address: tuple[str, int] | None = None,
+                         store_timeout: timedelta = COLLECTIVE_TIMEOUT) -> tuple[TensorParallelGroup, PipelineGroup]:
     """Join the world of ``tp_size * pp_size`` ranks; with more than one
     stage, also create every stage's TP subgroup (all ranks create all of
-    them, in stage order, as new_group requires) and keep this rank's."""
+    them, in stage order, as new_group requires) and keep this rank's.
+
+    ``store_address``: ranks on several machines meet at the leader's
+    TCPStore (host, port) instead of the file ``store_path``; ``local_rank``
+    (default ``rank``) picks the CUDA device on this machine."""
     world_size = tp_size * pp_size
     if device.type == "cuda":
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", rank if local_rank is None else local_rank)
         torch.cuda.set_device(device)
     if world_size > 1:
-        store = dist.FileStore(store_path, world_size)
+        if store_address is not None:
+            store: dist.Store = dist.TCPStore(store_address[0], store_address[1], world_size, is_master=False,
+                                              timeout=store_timeout)
+        else:
+            store = dist.FileStore(store_path, world_size)
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(

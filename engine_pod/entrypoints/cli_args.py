@@ -15,6 +15,7 @@ from engine_pod.config import (
     CacheConfig,
     EngineConfig,
     KVStoreConfig,
+    NodeLayout,
     ParallelConfig,
     SchedulerConfig,
     SchedulingPolicy,
@@ -128,3 +129,27 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
     )
+
+
+def add_node_args(parser: argparse.ArgumentParser) -> None:
+    """The pod's multi-node flags (`tessera engine`): where its ranks sit
+    among the engine's nodes. Process-level: they land in
+    ParallelConfig.nodes (NodeLayout), not in create_engine_config's kwargs."""
+    n = parser.add_argument_group("multi-node (one engine's ranks over several pods)")
+    n.add_argument("--nnodes", type=int, default=NodeLayout.nnodes,
+                   help="processes (pods) the pipeline x tensor parallel ranks span; node k hosts ranks "
+                        "[k*W/N, (k+1)*W/N) of the W in all (with N = pipeline size: one stage per node)")
+    n.add_argument("--node-rank", type=int, default=NodeLayout.node_rank,
+                   help="this process's node: 0 is the leader (engine core, gRPC server); above 0 runs only its "
+                        "ranks and exits non-zero when the group fails")
+    n.add_argument("--master-addr", default=NodeLayout.master_addr,
+                   help="the leader's address the other nodes dial (required with --nnodes > 1); the nodes "
+                        "authenticate with the internal secret (environment, never argv)")
+    n.add_argument("--master-port", type=int, default=NodeLayout.master_port,
+                   help="the leader's rendezvous port (torch.distributed TCPStore); the node control channel "
+                        "takes the next one (master-port + 1)")
+
+
+def node_layout(args: argparse.Namespace) -> NodeLayout:
+    """The NodeLayout of the flags (ValueError naming the bad one)."""
+    return NodeLayout(args.nnodes, args.node_rank, args.master_addr, args.master_port)

@@ -23,11 +23,23 @@ the dead stage: they are terminated, not waited for);
 the remaining workers are stopped before the error is raised, and every later
 call raises the same error. Workers watch their parent in turn and exit if it
 disappears, so no process outlives the engine.
+
+Across nodes (``--nnodes N``, config.parallel.nodes): this executor runs on
+the leader (node 0) and spawns only its local ranks; the world group meets
+at a TCPStore it hosts on ``master_port``, and every other node (a
+``tessera engine --node-rank K`` process, executor/node_follower.py) dials
+``master_port + 1`` once and authenticates (distributed/node_channel.py).
+Calls go to each node over that link and the node relays them to its ranks
+through its own ring; its ranks' replies come back over it. A node whose
+link drops or goes silent, or whose rank dies, fails the group like a local
+rank (WorkerError naming the node and the rank), also while the engine is
+idle (``on_group_failure``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -35,19 +47,30 @@ import shutil
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 
 import torch
 
-from engine_pod.config import EngineConfig
+from engine_pod.config import EngineConfig, NodeLayout
 from engine_pod.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine_pod.distributed.node_channel import (
+    KEY_PURPOSE,
+    ChannelError,
+    NodeLink,
+    accept_node,
+    listen,
+    node_channel_port,
+)
 from engine_pod.distributed.parallel_state import sampler_rank
 from engine_pod.distributed.shm_broadcast import BroadcastWriter
 from engine_pod.executor.abstract import Executor
 from engine_pod.executor.kv_store_writer import put_step_blocks
 from engine_pod.worker.worker_process import SHUTDOWN, WorkerCall, WorkerReply, WorkerSpec, run_worker
 from kv_store.tiered_store import TieredKVStore
+from tessera.internal_secret import InternalSecret
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +78,10 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_SECONDS = 600.0
 # Graceful stop, then SIGTERM, then SIGKILL, each waited for this long.
 STOP_GRACE_SECONDS = 5.0
+# How long a rank's failure waits for a peer whose death may have caused it to be seen dead.
+DEATH_SETTLE_SECONDS = 0.2
+# How long a rank's failure in a collective waits for another node's word on its cause.
+REMOTE_CAUSE_SECONDS = 1.0
 
 
 def _picklable(scheduler_output: SchedulerOutput) -> SchedulerOutput:
@@ -78,10 +105,42 @@ class _Worker:
     replies: Connection
 
 
-def _stop_workers(workers: list[_Worker], channel: BroadcastWriter, rendezvous_dir: str, graceful: bool) -> None:
-    """Stop every worker and release what they shared. Holds no reference to
-    the executor, so it can also run as its finalizer at interpreter exit."""
-    if graceful and all(w.process.is_alive() for w in workers):
+@dataclass
+class _Node:
+    """Another node of the group, reached over its authenticated link."""
+
+    index: int
+    ranks: range
+    link: NodeLink
+
+    def name(self) -> str:
+        return _node_name(self.index, self.ranks)
+
+
+def _node_name(index: int, ranks: range) -> str:
+    return f"node {index} (ranks {ranks.start}-{ranks.stop - 1})"
+
+
+@dataclass
+class _Shared:
+    """What the workers share besides their processes, released on stop."""
+
+    nodes: list[_Node] = field(default_factory=list)
+    store: object = None  # the leader's TCPStore (torch.distributed) across nodes
+
+
+def _stop_workers(workers: list[_Worker], channel: BroadcastWriter, rendezvous_dir: str, graceful: bool,
+                  shared: _Shared | None = None) -> None:
+    """Stop every worker (and tell the other nodes) and release what they
+    shared. Holds no reference to the executor, so it can also run as its
+    finalizer at interpreter exit."""
+    nodes = shared.nodes if shared is not None else []
+    if graceful and all(w.process.is_alive() for w in workers) and all(n.link.lost is None for n in nodes):
+        for node in nodes:
+            try:
+                node.link.send(WorkerCall(SHUTDOWN))
+            except ChannelError:
+                pass
         try:
             channel.write(WorkerCall(SHUTDOWN), check_alive=lambda: None)
         except Exception:  # noqa: BLE001 - stopping anyway
@@ -98,6 +157,11 @@ def _stop_workers(workers: list[_Worker], channel: BroadcastWriter, rendezvous_d
             w.process.kill()
             w.process.join()
         w.replies.close()
+    for node in nodes:
+        node.link.close()  # a node still running sees its link close and stops its ranks
+    if shared is not None:
+        shared.nodes.clear()
+        shared.store = None
     channel.close()
     shutil.rmtree(rendezvous_dir, ignore_errors=True)
 
@@ -123,35 +187,106 @@ class MultiProcExecutor(Executor):
         self.num_steps = 0
         self.last_broadcast_bytes = 0
         self._kv_store: TieredKVStore | None = None
+        layout: NodeLayout = config.parallel.nodes if world_size is None else NodeLayout()
+        if not layout.is_leader:
+            raise ValueError(f"node_rank={layout.node_rank}: only the leader (node 0) runs the engine core")
+        self.layout = layout
+        self.local_ranks = layout.local_ranks(self.world_size)
+        self.on_group_failure: Callable[[str], None] | None = None
+        """Called (on a link's thread) when another node is lost, also while no call runs."""
         ctx = mp.get_context("spawn")
-        self._channel = BroadcastWriter(ctx, self.world_size)
+        self._channel = BroadcastWriter(ctx, len(self.local_ranks))
         self._rendezvous_dir = tempfile.mkdtemp(prefix="tessera-tp-")
-        threads = config.parallel.worker_threads or max(1, torch.get_num_threads() // self.world_size)
+        threads = config.parallel.worker_threads or max(1, torch.get_num_threads() // len(self.local_ranks))
         self._workers: list[_Worker] = []
+        self._shared = _Shared()
+        self._nodes = self._shared.nodes
         # Registered before the first spawn, so a failure part-way through
         # still stops the workers already started (and runs at interpreter exit).
         self._finalizer = weakref.finalize(
-            self, _stop_workers, self._workers, self._channel, self._rendezvous_dir, True
+            self, _stop_workers, self._workers, self._channel, self._rendezvous_dir, True, self._shared
         )
-        for rank in range(self.world_size):
-            receive, send = ctx.Pipe(duplex=False)
-            spec = WorkerSpec(
-                rank, self.world_size, config, os.path.join(self._rendezvous_dir, "store"),
-                self._channel.reader_spec(), send, os.getpid(), threads, self.pp_size,
-            )
-            process = ctx.Process(target=run_worker, args=(spec,), name=f"tessera-rank{rank}", daemon=True)
-            process.start()
-            send.close()  # the worker holds the only write end: EOF when it dies
-            self._workers.append(_Worker(rank, process, receive))
+        listener, key, store_address = None, b"", None
         try:
+            if layout.nnodes > 1:
+                assert layout.master_addr is not None  # NodeLayout requires it above one node
+                secret = InternalSecret.require("the nodes of a multi-node engine authenticate each other")
+                key = secret.derive(KEY_PURPOSE)
+                import torch.distributed as dist
+
+                # The world group's rendezvous, hosted here on the leader: every rank (here and on
+                # the other nodes) meets at it, then gloo/NCCL connect the ranks pairwise.
+                self._shared.store = dist.TCPStore(
+                    layout.master_addr, layout.master_port, self.world_size, is_master=True,
+                    timeout=timedelta(seconds=layout.join_timeout_s), wait_for_workers=False)
+                store_address = (layout.master_addr, layout.master_port)
+                listener = listen(node_channel_port(layout.master_port))
+            for index, rank in enumerate(self.local_ranks):
+                receive, send = ctx.Pipe(duplex=False)
+                spec = WorkerSpec(
+                    rank, self.world_size, config, os.path.join(self._rendezvous_dir, "store"),
+                    self._channel.reader_spec(), send, os.getpid(), threads, self.pp_size,
+                    local_index=index, store_address=store_address, store_timeout_s=layout.join_timeout_s,
+                )
+                process = ctx.Process(target=run_worker, args=(spec,), name=f"tessera-rank{rank}", daemon=True)
+                process.start()
+                send.close()  # the worker holds the only write end: EOF when it dies
+                self._workers.append(_Worker(rank, process, receive))
+            if listener is not None:
+                self._accept_nodes(listener, key)
             self._collect(range(self.world_size), timeout=START_TIMEOUT_SECONDS)
         except BaseException:
             self.shutdown()
             raise
+        finally:
+            if listener is not None:
+                listener.close()  # a node that joins later cannot: the group restarts together
         self._channel.unlink()  # every rank has mapped it
         self._starting = False
-        logger.info("%d workers ready (PP=%d x TP=%d, pids %s)", self.world_size, self.pp_size, self.tp_size,
-                    self.worker_pids)
+        logger.info("%d workers ready (PP=%d x TP=%d, pids %s%s)", self.world_size, self.pp_size, self.tp_size,
+                    self.worker_pids,
+                    f"; ranks {self.local_ranks.start}-{self.local_ranks.stop - 1} here, "
+                    f"{len(self._nodes)} other nodes" if self._nodes else "")
+
+    def _accept_nodes(self, listener, key: bytes) -> None:
+        """Take one authenticated connection from every other node, within the
+        join timeout; a peer that fails authentication is dropped and logged."""
+        layout = self.layout
+        deadline = time.monotonic() + layout.join_timeout_s
+        missing = set(range(1, layout.nnodes))
+        listener.settimeout(0.5)
+        while missing:
+            if time.monotonic() >= deadline:
+                self._fail(f"nodes {sorted(missing)} did not join within {layout.join_timeout_s:.0f}s "
+                           f"(they dial {layout.master_addr}:{node_channel_port(layout.master_port)})")
+            self._check_alive()
+            try:
+                sock, address = listener.accept()
+            except TimeoutError:
+                continue
+            peer = f"{address[0]}:{address[1]}"
+            try:
+                node_rank, channel = accept_node(sock, peer, key)
+            except ChannelError as e:
+                sock.close()
+                logger.warning("engine group: dropped a connection: %s", e)
+                continue
+            if node_rank not in missing:
+                channel.close()
+                logger.warning("engine group: dropped %s: node rank %d is %s", peer, node_rank,
+                               "already joined" if 0 < node_rank < layout.nnodes else "out of range")
+                continue
+            missing.discard(node_rank)
+            node = _Node(node_rank, layout.local_ranks_of(node_rank, self.world_size),
+                         NodeLink(channel, on_lost=functools.partial(self._node_lost, node_rank)))
+            self._nodes.append(node)
+            logger.info("engine group: %s joined from %s", node.name(), peer)
+
+    def _node_lost(self, node_rank: int, message: str) -> None:
+        name = _node_name(node_rank, self.layout.local_ranks_of(node_rank, self.world_size))
+        logger.error("engine group: lost %s: %s", name, message)
+        if self.on_group_failure is not None and self._failure is None:
+            self.on_group_failure(f"lost {name}: {message}")
 
     @property
     def worker_pids(self) -> list[int]:
@@ -209,6 +344,11 @@ class MultiProcExecutor(Executor):
     def _broadcast(self, call: WorkerCall) -> None:
         if self._failure is not None:
             raise WorkerError(self._failure)
+        for node in self._nodes:
+            try:
+                node.link.send(call)
+            except ChannelError as e:
+                self._fail(f"lost {node.name()}: {e}")
         self.last_broadcast_bytes = self._channel.write(call, check_alive=self._check_alive)
 
     def _check_alive(self) -> None:
@@ -216,17 +356,22 @@ class MultiProcExecutor(Executor):
             if not w.process.is_alive():
                 self._collect_pending_errors()
                 self._fail(self._death_message(w))
+        for node in self._nodes:
+            if node.link.lost is not None:
+                self._fail(f"lost {node.name()}: {node.link.lost}")
 
     def _collect(self, ranks, timeout: float | None) -> dict[int, WorkerReply]:
-        """Replies of ``ranks``, failing at once if any worker raises or dies."""
+        """Replies of ``ranks``, failing at once if any worker raises or dies
+        (or, across nodes, another node reports one or is lost)."""
         pending = set(ranks)
         replies: dict[int, WorkerReply] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         by_conn = {w.replies: w for w in self._workers}
         by_sentinel = {w.process.sentinel: w for w in self._workers}
+        by_inbox = {n.link.inbox: n for n in self._nodes}
         while pending:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = wait([*by_conn, *by_sentinel], timeout=remaining)
+            ready = wait([*by_conn, *by_sentinel, *by_inbox], timeout=remaining)
             if not ready:
                 self._fail(f"{self._kind} workers {sorted(pending)} did not answer within {timeout:.0f}s")
             # Pipes first: a worker that raised sends its traceback, then dies.
@@ -234,15 +379,35 @@ class MultiProcExecutor(Executor):
                 reply = self._receive(by_conn[conn])
                 if reply.kind == "error":
                     self._fail_with_error(by_conn[conn], reply.value)
-                self._forward_seconds = max(self._forward_seconds, reply.forward_seconds)
-                replies[by_conn[conn].rank] = reply
-                pending.discard(by_conn[conn].rank)
+                self._take(reply, by_conn[conn].rank, replies, pending)
+            for inbox in (r for r in ready if r in by_inbox):
+                node = by_inbox[inbox]
+                try:
+                    message = node.link.receive()
+                except ChannelError as e:
+                    self._fail(f"lost {node.name()}: {e}")
+                kind, rank, value = message
+                if kind == "reply" and value.kind != "error":
+                    self._take(value, rank, replies, pending)
+                elif kind == "reply":
+                    self._fail(f"{self._remote_name(node, rank)} failed:\n{value.value}")
+                else:  # "dead": the node saw one of its ranks die, and stops
+                    self._fail(f"{self._remote_name(node, rank)} {value}")
             for sentinel in (r for r in ready if r in by_sentinel):
                 worker = by_sentinel[sentinel]
                 if worker.replies.poll():
                     continue  # read its last words on the next round
                 self._fail(self._death_message(worker))
         return replies
+
+    def _take(self, reply: WorkerReply, rank: int, replies: dict[int, WorkerReply], pending: set[int]) -> None:
+        self._forward_seconds = max(self._forward_seconds, reply.forward_seconds)
+        replies[rank] = reply
+        pending.discard(rank)
+
+    def _remote_name(self, node: _Node, rank: int) -> str:
+        stage = f"stage {rank // self.tp_size}, " if self.pp_size > 1 else ""
+        return f"{self._kind} worker rank {rank} ({stage}node {node.index})"
 
     def _receive(self, worker: _Worker) -> WorkerReply:
         try:
@@ -265,11 +430,34 @@ class MultiProcExecutor(Executor):
         """A rank's traceback; but when another rank died silently, that death
         is the cause (the survivors' collectives fail because of it)."""
         message = f"{self._worker_name(worker)} failed:\n{error}"
+        # A killed peer's sockets close a moment before it can be reaped: give its death that moment.
+        wait([o.process.sentinel for o in self._workers if o is not worker], timeout=DEATH_SETTLE_SECONDS)
         for other in self._workers:
             if other is not worker and not other.process.is_alive() and not other.replies.poll():
                 message = f"{self._death_message(other)}; rank {worker.rank} then failed:\n{error}"
                 break
+        else:
+            cause = self._remote_cause()
+            if cause is not None:
+                message = f"{cause}; rank {worker.rank} then failed:\n{error}"
         self._fail(message)
+
+    def _remote_cause(self) -> str | None:
+        """A rank here failed in a collective: if another node reports (within
+        a second: its news travels slower than the broken connection) that one
+        of its ranks died or failed, or drops, that is the cause."""
+        deadline = time.monotonic() + REMOTE_CAUSE_SECONDS
+        for node in self._nodes:
+            while node.link.inbox.poll(max(0.0, deadline - time.monotonic())):
+                try:
+                    kind, rank, value = node.link.receive()
+                except ChannelError as e:
+                    return f"lost {node.name()}: {e}"
+                if kind == "dead":
+                    return f"{self._remote_name(node, rank)} {value}"
+                if kind == "reply" and value.kind == "error":
+                    return f"{self._remote_name(node, rank)} failed:\n{value.value}"
+        return None
 
     def _death_message(self, worker: _Worker) -> str:
         worker.process.join(1.0)  # let the exit code settle
@@ -299,5 +487,5 @@ class MultiProcExecutor(Executor):
             self._failure = message
             logger.error("%s; stopping the other workers", message)
             self._finalizer.detach()
-            _stop_workers(self._workers, self._channel, self._rendezvous_dir, graceful=False)
+            _stop_workers(self._workers, self._channel, self._rendezvous_dir, graceful=False, shared=self._shared)
         raise WorkerError(self._failure)

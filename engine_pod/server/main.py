@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import itertools
 import logging
@@ -40,7 +41,7 @@ from prometheus_client import start_http_server
 
 from engine_pod.config import EngineConfig, create_engine_config
 from engine_pod.engine.engine_core import EngineCore
-from engine_pod.entrypoints.cli_args import add_engine_args, engine_kwargs
+from engine_pod.entrypoints.cli_args import add_engine_args, add_node_args, engine_kwargs, node_layout
 from engine_pod.executor.abstract import Executor
 from engine_pod.executor.simulated import SimulatedExecutor
 from engine_pod.processor import Processor
@@ -62,7 +63,7 @@ from engine_pod.server.metrics import (
 from engine_pod.server.step_watchdog import watch_steps
 from engine_pod.sim.step_profile import StepTimeProfile
 from kv_store.inbox_socket import InboxSocket
-from tessera.internal_secret import InternalSecret
+from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, InternalSecret
 from tessera.roles import POD_ROLES
 from tessera.text import load_eos_token_ids
 from tessera.text.torch_free import hide_torch_from_transformers
@@ -74,6 +75,7 @@ logger = logging.getLogger(__name__)
 def add_parser(sub) -> None:
     p = sub.add_parser("engine", help="run an engine pod (gRPC tessera.v1.Engine)")
     add_engine_args(p)
+    add_node_args(p)
     p.add_argument("--role", default="mixed", help="mixed, prefill or decode")
     # Loopback unless told otherwise: the Engine API is internal (docs/security.md); the operator
     # passes --host 0.0.0.0 so the gateway can reach the pod across the cluster network.
@@ -138,6 +140,18 @@ def _validate(args: argparse.Namespace) -> None:
     n = args.simulated_pods
     if n < 1 or (n > 1 and args.simulate is None):
         raise ValueError(f"simulated_pods must be >= 1, and above 1 only with --simulate, got {n}")
+    layout = node_layout(args)
+    if layout.nnodes > 1:
+        if args.simulate is not None:
+            raise ValueError("--nnodes: a simulated pod is one process")
+        if InternalSecret.load() is None:
+            raise ValueError(f"--nnodes {layout.nnodes}: the nodes authenticate each other with the internal "
+                             f"secret; set {SECRET_FILE_ENV} (a file holding it) or {SECRET_ENV}")
+        world = args.pipeline_parallel_size * args.tensor_parallel_size
+        if world % layout.nnodes:
+            raise ValueError(f"nnodes={layout.nnodes} does not divide the world size {world} "
+                             f"(pipeline_parallel_size={args.pipeline_parallel_size} x "
+                             f"tensor_parallel_size={args.tensor_parallel_size})")
     if args.kv_inbox_port and not args.kv_inbox_bytes:
         raise ValueError("--kv-inbox-port needs --kv-inbox-bytes > 0 (the inbox it fills)")
     ranges = {name: (port, port + n - 1) for name, port in
@@ -242,7 +256,7 @@ def _executor_factory(args: argparse.Namespace, config: EngineConfig) -> Callabl
             threads = args.cpu_threads or cpu_share()
             torch.set_num_threads(threads)
             # Under tensor and pipeline parallelism the ranks compute and share the pod's CPUs.
-            config.parallel.worker_threads = max(1, threads // config.parallel.world_size)
+            config.parallel.worker_threads = max(1, threads // config.parallel.local_world_size)
         return lambda: None
     profile = StepTimeProfile.load(args.simulate)
     return lambda: SimulatedExecutor(config, profile)
@@ -307,6 +321,9 @@ def serve(args: argparse.Namespace) -> int:
     if tls is not None:
         tls.credentials()  # unreadable files fail before the model loads
     config = create_engine_config(args.model, **engine_kwargs(args), simulate=args.simulate is not None)
+    config.parallel = dataclasses.replace(config.parallel, nodes=node_layout(args))
+    if not config.parallel.nodes.is_leader:
+        return _serve_node(args, config)
     if tls is not None:
         # Peers demand a client certificate as this pod does: it dials them (a direct push) with its own.
         config.kv_store.peer_tls = tls.as_client(args.tls_server_name)
@@ -318,9 +335,20 @@ def serve(args: argparse.Namespace) -> int:
     frontend.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: frontend.request_stop())
+    group_failure: list[str] = []
+
+    def fail_group(message: str) -> None:
+        # Another node of this engine was lost while no step ran: stop serving and exit
+        # non-zero (the pod restarts with its group); a step in flight fails on its own.
+        logger.error("engine group failed: %s; stopping the pod", message)
+        group_failure.append(message)
+        frontend.request_stop()
+
     try:
         for pod in pods:
             _start_pod(pod, config, new_executor(), frontend.loop, model_name, args.host, tls)
+            if hasattr(pod.core.executor, "on_group_failure"):
+                pod.core.executor.on_group_failure = fail_group
         # The model, tokenizer and libraries loaded so far live as long as the process: out of the
         # cyclic GC's scans, whose full passes over them would otherwise stall steps and streams.
         gc.collect()
@@ -345,4 +373,18 @@ def serve(args: argparse.Namespace) -> int:
     for failure in failures:
         logger.error("a simulated pod's engine loop failed: %r", failure)
     print("tessera engine stopped", flush=True)
-    return 1 if failures else 0
+    return 1 if failures or group_failure else 0
+
+
+def _serve_node(args: argparse.Namespace, config: EngineConfig) -> int:
+    """``--node-rank K > 0``: only this node's ranks, relaying the leader's
+    calls; exits non-zero when the group fails (the pod restarts)."""
+    from engine_pod.executor.node_follower import run_node
+
+    _executor_factory(args, config)  # the CPU threads of the ranks
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    status = run_node(config, stop)
+    print(f"tessera engine node {config.parallel.nodes.node_rank} stopped (status {status})", flush=True)
+    return status

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing.connection import Connection
 
 import torch
@@ -38,6 +40,13 @@ class WorkerSpec:
     parent_pid: int
     torch_threads: int | None
     pp_size: int = 1  # pipeline stages; the TP size is world_size // pp_size
+    local_index: int | None = None  # this rank's place on its node (ring reader, CUDA device); None: rank
+    store_address: tuple[str, int] | None = None  # ranks on several nodes: the leader's TCPStore
+    store_timeout_s: float = 600.0  # how long the rendezvous waits for every rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank if self.local_index is None else self.local_index
 
     @property
     def sampler_rank(self) -> int:
@@ -75,15 +84,24 @@ def run_worker(spec: WorkerSpec) -> None:
         if os.getppid() != spec.parent_pid:
             os._exit(1)
 
+    def watch_parent() -> None:
+        # Start-up can block for minutes (a checkpoint load, or across nodes the
+        # rendezvous waiting for the other nodes' ranks) where no loop checks the parent.
+        while True:
+            check_parent()
+            time.sleep(0.5)
+
+    threading.Thread(target=watch_parent, name="watch-parent", daemon=True).start()
     try:
         from engine_pod.worker.model_runner import ModelRunner
 
         if spec.torch_threads and spec.config.device.type == "cpu":
             torch.set_num_threads(spec.torch_threads)
         group, pp = init_parallel_groups(spec.rank, spec.world_size // spec.pp_size, spec.pp_size,
-                                         spec.rendezvous_path, spec.config.device)
+                                         spec.rendezvous_path, spec.config.device, spec.local_rank,
+                                         spec.store_address, timedelta(seconds=spec.store_timeout_s))
         runner = ModelRunner(spec.config, group, pp)
-        reader = BroadcastReader(spec.channel, spec.rank)
+        reader = BroadcastReader(spec.channel, spec.local_rank)
     except BaseException:  # noqa: BLE001 - reported to the executor, which raises it
         spec.replies.send(WorkerReply("error", traceback.format_exc()))
         raise SystemExit(1) from None

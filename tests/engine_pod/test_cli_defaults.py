@@ -13,6 +13,7 @@ from engine_pod.config import (
     CacheConfig,
     EngineConfig,
     KVStoreConfig,
+    NodeLayout,
     ParallelConfig,
     SchedulerConfig,
     SchedulingPolicy,
@@ -117,6 +118,17 @@ def _pod_flags(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["engine", "--model", "m", *argv])
+
+
+def test_the_multi_node_flags_default_to_the_node_layouts_fields():
+    """--nnodes, --node-rank, --master-addr, --master-port: pod-level flags (not
+    create_engine_config's), landing in ParallelConfig.nodes with NodeLayout's defaults."""
+    from engine_pod.entrypoints.cli_args import node_layout
+
+    assert node_layout(_pod_flags()) == NodeLayout() == ParallelConfig().nodes
+    layout = node_layout(_pod_flags("--nnodes", "2", "--node-rank", "1", "--master-addr", "leader.svc",
+                                    "--master-port", "29600"))
+    assert layout == NodeLayout(2, 1, "leader.svc", 29600)
 
 
 def test_a_pod_listens_on_loopback_unless_told_otherwise():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -114,6 +115,32 @@ def test_bad_flags_exit_2_naming_the_field(tiny_llama, flag, value, field):
     )
     assert proc.returncode == 2
     assert field in proc.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nnodes", "0"], "nnodes must be a positive integer"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "x"], "node_rank must be in 0..nnodes-1"),
+    (["--node-rank", "-1"], "node_rank must be in 0..nnodes-1"),
+    (["--nnodes", "2", "--pipeline-parallel-size", "2"], "master_addr: required with nnodes=2"),
+    (["--nnodes", "2", "--pipeline-parallel-size", "2", "--master-addr", "x", "--master-port", "65535"],
+     "master_port must be in 1-65534"),
+    (["--nnodes", "2", "--master-addr", "x"], "nnodes=2 does not divide the world size 1"),
+    (["--nnodes", "3", "--pipeline-parallel-size", "2", "--master-addr", "x"], "nnodes=3 does not divide"),
+    (["--nnodes", "2", "--pipeline-parallel-size", "2", "--master-addr", "x", "NO_SECRET"],
+     "--nnodes 2: the nodes authenticate each other with the internal secret"),
+])
+def test_bad_multi_node_flags_exit_2_with_the_reason(tiny_llama, flags, message):
+    env = dict(os.environ)
+    if "NO_SECRET" in flags:
+        flags = [f for f in flags if f != "NO_SECRET"]
+        env.pop("TESSERA_INTERNAL_SECRET", None)
+        env.pop("TESSERA_INTERNAL_SECRET_FILE", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tessera_tools.cli", "engine", "--model", str(tiny_llama), "--no-internal-auth",
+         *flags], capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
 
 
 @pytest.mark.parametrize("flags, message", [
