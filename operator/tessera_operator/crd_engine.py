@@ -39,12 +39,50 @@ DEFAULT_BACKGROUND_MAX_BATCHED_TOKENS = 256
 # A request's priority is an int32 on the wire; the gateway's classes are >= 0.
 MAX_PRIORITY = 2**31 - 1
 BACKGROUND_POLICY_RULE = "!has(self.backgroundPriority) || self.schedulingPolicy == 'priority'"
+# Pipeline stages per engine: one pod per stage (a LeaderWorkerSet group), each with the pool's TP GPUs.
+MAX_PIPELINE_PARALLEL_SIZE = 64
+# A quantity that is zero, as CEL sees kvStore.hostMemory (an int or a string such as "0Gi").
+ZERO_QUANTITY_PATTERN = r"^[+]?(0+[.]?0*|[.]0+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+# A LeaderWorkerSet's worker StatefulSets are named LWS-GROUP, and a StatefulSet's pods carry a
+# label of its name plus an 11-character hash (63 at most): NAME-engine-GROUP (up to 4 digits)
+# must stay within 52 characters.
+MAX_PIPELINE_NAME_LENGTH = 40
+
+
+def uses_pipeline_cel(spec: str) -> str:
+    """CEL: whether the spec (`spec`: its expression) sets any pipelineParallelSize above 1."""
+    return " || ".join([f"{spec}.engine.pipelineParallelSize > 1"] + [
+        f"(has({spec}.pools.{pool}.pipelineParallelSize) && {spec}.pools.{pool}.pipelineParallelSize > 1)"
+        for pool in POD_ROLES])
+
+
+def uses_pipeline(spec: dict) -> bool:
+    """uses_pipeline_cel's Python twin, on a defaulted spec."""
+    return max([spec["engine"]["pipelineParallelSize"]]
+               + [pool.get("pipelineParallelSize", 1) for pool in spec["pools"].values()]) > 1
+
+
+_USES_PP = uses_pipeline_cel("self")
+# On the spec: what the engine refuses under pipeline parallelism for now (engine_pod/config.py
+# ParallelConfig.check_features: the KV store, P/D KV transfer and LoRA).
+PIPELINE_RULE = (f"!({_USES_PP}) || (self.mode == 'mixed' && !has(self.kvStore.redis) && "
+                 f"string(self.kvStore.hostMemory).matches('{ZERO_QUANTITY_PATTERN}') && "
+                 "!has(self.engine.lora) && (!has(self.loras) || size(self.loras) == 0))")
+PIPELINE_MESSAGE = ("pipelineParallelSize above 1 (engine or pools) needs mode mixed, no kvStore.redis, "
+                    "kvStore.hostMemory 0 and no LoRA (loras, engine.lora): the engine does not support them "
+                    "with pipeline parallelism yet")
 
 
 def engine_schema() -> Schema:
     return obj("Settings every engine pod shares.", {
         "tensorParallelSize": integer("GPUs one engine spans (tensor parallelism: one worker process per rank).",
                                       default=1, minimum=1, maximum=16),
+        "pipelineParallelSize": integer(
+            "Pipeline stages one engine spans (pipeline parallelism: the model's layers split across stages). "
+            "Above 1 each engine replica is a LeaderWorkerSet group of this many pods, one stage each with "
+            "tensorParallelSize GPUs; the leader (stage 0) serves gRPC. Needs the LeaderWorkerSet controller "
+            "in the cluster, mode mixed, no KV store and no LoRA.",
+            default=1, minimum=1, maximum=MAX_PIPELINE_PARALLEL_SIZE),
         "blockSize": integer("Tokens per KV block; the gateway hashes prompts in blocks of the same size.",
                              default=DEFAULT_BLOCK_SIZE, minimum=1, maximum=256),
         "maxNumBatchedTokens": integer("Token budget of one engine step (decodes plus prefill chunks).",
@@ -107,14 +145,19 @@ def pools_schema() -> Schema:
 
 def _pool() -> Schema:
     return obj("A pool of engine pods; its key is their role (mixed, prefill or decode).", {
-        "replicas": integer("Pods of the pool without autoscaling; the starting count with it.", default=1,
+        "replicas": integer("Pods of the pool without autoscaling; the starting count with it (under pipeline "
+                            "parallelism: groups of pods).", default=1,
                             minimum=0),
         "minReplicas": integer("Lower bound of the autoscaler (0 allows scale to zero).", default=1, minimum=0),
         "maxReplicas": integer("Upper bound of the autoscaler.", default=4, minimum=1),
         "tensorParallelSize": integer("This pool's tensor parallelism (default: engine.tensorParallelSize). "
                                       "Prefill and decode pools may differ: KV blocks are stored whole, so "
                                       "any layout reads what any other wrote.", minimum=1, maximum=16),
-        "gpus": integer("GPUs per pod (default: the pool's tensorParallelSize; 0 runs on CPU).", minimum=0),
+        "pipelineParallelSize": integer("This pool's pipeline parallelism (default: engine.pipelineParallelSize): "
+                                        "above 1, each replica is a group of this many pods.", minimum=1,
+                                        maximum=MAX_PIPELINE_PARALLEL_SIZE),
+        "gpus": integer("GPUs per pod (default: the pool's tensorParallelSize; 0 runs on CPU). Under pipeline "
+                        "parallelism, per pod of a group (one stage).", minimum=0),
         "resources": resources("CPU and memory of each engine pod (GPUs come from `gpus`); memory must hold "
                                "the process plus kvStore.hostMemory."),
         "nodeSelector": string_map("Node labels the pods must match."),

@@ -7,7 +7,14 @@ from gateway.config import KV_CHANNELS, DisaggregationConfig
 from gateway.tool_calls.parsers import parser_names
 from tessera.internal_secret import SECRET_KEY
 from tessera_operator import crd_batch
-from tessera_operator.crd_engine import autoscaling_schema, engine_schema, kv_store_schema, pools_schema
+from tessera_operator.crd_engine import (
+    PIPELINE_MESSAGE,
+    PIPELINE_RULE,
+    autoscaling_schema,
+    engine_schema,
+    kv_store_schema,
+    pools_schema,
+)
 from tessera_operator.crd_lora import LORA_NAMES_RULE, LORA_SETTINGS_RULE, loras_schema
 from tessera_operator.schema_dsl import (
     DNS_LABEL_PATTERN,
@@ -69,6 +76,7 @@ def spec_schema() -> Schema:
                              "from in engine.lora.runtimeRoots"),
         (crd_batch.CLASS_RULE, crd_batch.CLASS_MESSAGE),
         (crd_batch.VOLUME_REPLICAS_RULE, crd_batch.VOLUME_REPLICAS_MESSAGE),
+        (PIPELINE_RULE, PIPELINE_MESSAGE),
     ])
 
 

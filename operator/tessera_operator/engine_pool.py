@@ -1,4 +1,12 @@
-"""Deployment and Service of one engine pool (mixed, prefill or decode)."""
+"""Workload and Service of one engine pool (mixed, prefill or decode).
+
+The workload is a Deployment, or, when the pool's pipelineParallelSize P is above 1, a
+LeaderWorkerSet (leaderworkerset.x-k8s.io/v1, the LWS controller must be installed): each
+replica is a group of P pods, one pipeline stage each. The leader (worker index 0, stage 0)
+serves gRPC, health and metrics as a Deployment's pod does; the workers (the other stages)
+serve nothing but the group's own traffic. The pool's Service selects leaders only, so the
+gateway routes to them alone. A lost stage restarts its whole group (RecreateGroupOnPodRestart).
+"""
 
 from __future__ import annotations
 
@@ -24,6 +32,17 @@ KV_INBOX_PORT = 50063
 TRITON_CACHE_DIR = f"{pod_parts.TMP_MOUNT}/triton"
 # A model may take minutes to load; the startup probe allows this long before liveness takes over.
 STARTUP_SECONDS = 900
+# Pipeline parallelism across pods: the LeaderWorkerSet API and the labels and variables its
+# controller gives every pod of a group (the leader's worker index is 0).
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
+LWS_WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
+# The leader's rendezvous port for the group's ranks (--master-port); the engine may also listen on
+# the next one. gloo and NCCL then connect the ranks on ephemeral ports.
+MASTER_PORT = 29500
 
 
 def engine_args(owner: Owner, spec: dict, role: str) -> list[str]:
@@ -42,7 +61,10 @@ def engine_args(owner: Owner, spec: dict, role: str) -> list[str]:
              "--gpu-memory-utilization", str(engine["gpuMemoryUtilization"]),
              "--scheduling-policy", engine["schedulingPolicy"]]
     args += _background_args(spec)
-    args += ["--tensor-parallel-size", str(pool_tensor_parallel_size(spec, role)),
+    args += ["--tensor-parallel-size", str(pool_tensor_parallel_size(spec, role))]
+    if pool_pipeline_parallel_size(spec, role) > 1:
+        args += ["--pipeline-parallel-size", str(pool_pipeline_parallel_size(spec, role))]
+    args += [
              "--drain-timeout", str(engine["drainTimeoutSeconds"]),
              "--step-timeout", str(engine["stepTimeoutSeconds"]),
              "--attention-backend", engine["attentionBackend"]]
@@ -106,6 +128,13 @@ def _pod_args(spec: dict) -> list[str]:
             + secret_files.redis_tls_args(spec))
 
 
+def group_args(spec: dict, role: str, node_rank: str) -> list[str]:
+    """Flags of one pod of a pipeline-parallel group: one pod per stage, the ranks meeting at the
+    leader's address (the LWS controller's variables, which Kubernetes expands in args)."""
+    return ["--nnodes", str(pool_pipeline_parallel_size(spec, role)), "--node-rank", node_rank,
+            "--master-addr", f"$({LWS_LEADER_ADDRESS_ENV})", "--master-port", str(MASTER_PORT)]
+
+
 def speculative_config_json(speculative: dict) -> str:
     """The engine's `--speculative-config` (vLLM's snake_case keys)."""
     return json.dumps({
@@ -136,6 +165,16 @@ def pool_tensor_parallel_size(spec: dict, role: str) -> int:
     return spec["pools"][role].get("tensorParallelSize", spec["engine"]["tensorParallelSize"])
 
 
+def pool_pipeline_parallel_size(spec: dict, role: str) -> int:
+    """The pool's own pipelineParallelSize, else the engine's: pods per group (1: a Deployment)."""
+    return spec["pools"][role].get("pipelineParallelSize", spec["engine"]["pipelineParallelSize"])
+
+
+def is_group_pool(spec: dict, role: str) -> bool:
+    """Whether the pool runs as a LeaderWorkerSet (pipeline stages in pods of their own)."""
+    return pool_pipeline_parallel_size(spec, role) > 1
+
+
 def pool_gpus(spec: dict, role: str) -> int:
     pool = spec["pools"][role]
     return pool["gpus"] if "gpus" in pool else pool_tensor_parallel_size(spec, role)
@@ -161,18 +200,27 @@ def _container_ports(spec: dict, role: str) -> list[dict]:
     return ports
 
 
-def _container(owner: Owner, spec: dict, role: str) -> dict:
+def _container(owner: Owner, spec: dict, role: str, node_rank: str | None = None) -> dict:
+    """The engine container; `node_rank` in a pipeline-parallel group ("0": the leader, which serves
+    and is probed as a Deployment's pod is; else a worker, which serves no gRPC and has no probe)."""
     engine = spec["engine"]
+    args = engine_args(owner, spec, role) + _pod_args(spec)
+    if node_rank is not None:
+        args += group_args(spec, role, node_rank)
+    serves = node_rank in (None, "0")
+    ports = _container_ports(spec, role) if serves else []
+    if node_rank == "0":
+        ports.append({"name": "pp-master", "containerPort": MASTER_PORT, "protocol": "TCP"})
     container = {
         "name": "engine",
         "image": spec["image"],
         "imagePullPolicy": spec["imagePullPolicy"],
         "command": ["tessera"],
-        "args": engine_args(owner, spec, role) + _pod_args(spec),
-        "ports": _container_ports(spec, role),
+        "args": args,
+        **({"ports": ports} if ports else {}),
         "resources": pod_parts.resources(spec["pools"][role]["resources"], pool_gpus(spec, role),
                                          engine["gpuResourceName"]),
-        **_probes(),
+        **(_probes() if serves else {}),
         "lifecycle": pod_parts.prestop_sleep(),
         "env": engine_env(spec),
         "securityContext": pod_parts.container_security_context(),
@@ -183,11 +231,11 @@ def _container(owner: Owner, spec: dict, role: str) -> dict:
     return container
 
 
-def deployment(owner: Owner, spec: dict, role: str, replicas: int) -> dict:
+def _pod_template(owner: Owner, spec: dict, role: str, node_rank: str | None = None) -> dict:
     pool = spec["pools"][role]
     pod_spec = {
         "securityContext": pod_parts.pod_security_context(),
-        "containers": [_container(owner, spec, role)],
+        "containers": [_container(owner, spec, role, node_rank)],
         "terminationGracePeriodSeconds": pod_parts.termination_grace(spec["engine"]["drainTimeoutSeconds"]),
         # Engines need no API access and no Service env vars.
         "automountServiceAccountToken": False,
@@ -202,31 +250,85 @@ def deployment(owner: Owner, spec: dict, role: str, replicas: int) -> dict:
         pod_spec["nodeSelector"] = dict(pool["nodeSelector"])
     if pool.get("tolerations"):
         pod_spec["tolerations"] = [dict(t) for t in pool["tolerations"]]
-    labels = names.labels(owner, "engine", role)
+    metadata: dict = {"labels": names.labels(owner, "engine", role)}
+    if node_rank in (None, "0"):  # workers have no /metrics
+        metadata["annotations"] = pod_parts.scrape_annotations(METRICS_PORT)
+    return {"metadata": metadata, "spec": pod_spec}
+
+
+def deployment(owner: Owner, spec: dict, role: str, replicas: int) -> dict:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": pod_parts.object_meta(owner, names.pool_name(owner, role), labels),
+        "metadata": pod_parts.object_meta(owner, names.pool_name(owner, role), names.labels(owner, "engine", role)),
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": names.selector(owner, "engine", role)},
             # Never fewer serving pods during a rollout; one extra at a time (GPUs are scarce).
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {"metadata": {"labels": labels, "annotations": pod_parts.scrape_annotations(METRICS_PORT)},
-                         "spec": pod_spec},
+            "template": _pod_template(owner, spec, role),
         },
     }
 
 
-def service(owner: Owner, role: str) -> dict:
-    """Headless: the gateway routes to individual pods found through the EndpointSlices."""
+def leader_worker_set(owner: Owner, spec: dict, role: str, replicas: int) -> dict:
+    """A pipeline-parallel pool: `replicas` groups of P pods (P = the pool's pipelineParallelSize)."""
+    return {
+        "apiVersion": LWS_API_VERSION,
+        "kind": LWS_KIND,
+        "metadata": pod_parts.object_meta(owner, names.pool_name(owner, role), names.labels(owner, "engine", role)),
+        "spec": {
+            "replicas": replicas,
+            # Workers start with their leader; they wait for its rendezvous, not for it to be ready.
+            "startupPolicy": "LeaderCreated",
+            # As the Deployment's: one extra group at a time, never fewer serving.
+            "rolloutStrategy": {"type": "RollingUpdate",
+                                "rollingUpdateConfiguration": {"maxSurge": 1, "maxUnavailable": 0}},
+            # The controller's headless Service (the leader's address, published before it is ready, which
+            # the workers need to join it) one per group, LWS-NAME-INDEX: the Shared policy's would be named
+            # like the LWS, the name of the pool's own Service, which selects ready leaders only.
+            "networkConfig": {"subdomainPolicy": "UniquePerReplica"},
+            "leaderWorkerTemplate": {
+                "size": pool_pipeline_parallel_size(spec, role),
+                # A lost stage fails the engine: the whole group restarts together.
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": _pod_template(owner, spec, role, "0"),
+                "workerTemplate": _pod_template(owner, spec, role, f"$({LWS_WORKER_INDEX_ENV})"),
+            },
+        },
+    }
+
+
+def workload_kind(spec: dict, role: str) -> tuple[str, str]:
+    """(apiVersion, kind) of the pool's workload."""
+    return (LWS_API_VERSION, LWS_KIND) if is_group_pool(spec, role) else ("apps/v1", "Deployment")
+
+
+def workload(owner: Owner, spec: dict, role: str, replicas: int) -> dict:
+    """The pool's Deployment, or its LeaderWorkerSet under pipeline parallelism; `replicas` (pods, or
+    groups) is what the autoscaler sets either way."""
+    render = leader_worker_set if is_group_pool(spec, role) else deployment
+    return render(owner, spec, role, replicas)
+
+
+def pod_selector(owner: Owner, spec: dict, role: str) -> dict[str, str]:
+    """The pool's serving pods: all of a Deployment's, the leaders of a LeaderWorkerSet's groups."""
+    selector = names.selector(owner, "engine", role)
+    if is_group_pool(spec, role):
+        selector[LWS_WORKER_INDEX_LABEL] = "0"
+    return selector
+
+
+def service(owner: Owner, spec: dict, role: str) -> dict:
+    """Headless: the gateway routes to individual pods found through the EndpointSlices (a
+    LeaderWorkerSet's leaders only)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": pod_parts.object_meta(owner, names.pool_name(owner, role), names.labels(owner, "engine", role)),
         "spec": {
             "clusterIP": "None",
-            "selector": names.selector(owner, "engine", role),
+            "selector": pod_selector(owner, spec, role),
             "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
                       {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}],
         },

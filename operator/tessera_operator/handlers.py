@@ -19,7 +19,7 @@ import time
 
 import kopf
 
-from tessera_operator import crd, internal_secret, names
+from tessera_operator import crd, engine_pool, internal_secret, names
 from tessera_operator.autoscale import Decision, ScalerState, ScalingPolicy, decide
 from tessera_operator.cli import DEFAULT_INTERVAL_S
 from tessera_operator.kube import ApiError, ClusterApi
@@ -67,9 +67,10 @@ def _apply(api: ClusterApi, body: dict, objects: list[dict]) -> None:
 def _write_status(api: ClusterApi, body: dict, patch: kopf.Patch, replicas: dict[str, int]) -> None:
     isvc = validated(body)
     owner = Owner.of(isvc)
-    deployment_names = [names.gateway_name(owner)] + [names.pool_name(owner, r) for r in replicas]
-    deployments = {name: api.get_deployment(owner.namespace, name) for name in deployment_names}
-    status = build_status(isvc, deployments, replicas, dict(body.get("status") or {}), now_iso())
+    kinds = {names.gateway_name(owner): ("apps/v1", "Deployment")}
+    kinds |= {names.pool_name(owner, r): engine_pool.workload_kind(isvc["spec"], r) for r in replicas}
+    workloads = {name: api.get_workload(owner.namespace, *kind, name) for name, kind in kinds.items()}
+    status = build_status(isvc, workloads, replicas, dict(body.get("status") or {}), now_iso())
     for key, value in status.items():
         patch.status[key] = value
 
@@ -138,7 +139,8 @@ def _autoscale(api: ClusterApi, body: dict, memo: kopf.Memo, replicas: dict[str,
     decisions = []
     for role, current in replicas.items():
         policy = ScalingPolicy.from_spec(spec, role)
-        obs = observe_pool(api, owner, role, current, policy.signal, demand, scrapes)
+        obs = observe_pool(api, owner, role, engine_pool.pod_selector(owner, spec, role), current, policy.signal,
+                           demand, scrapes)
         decisions.append((role, decide(policy, obs, scalers.setdefault(role, ScalerState()), now)))
     return decisions
 

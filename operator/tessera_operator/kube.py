@@ -30,13 +30,16 @@ MANAGED_KINDS: dict[tuple[str, str], str] = {
     ("v1", "Service"): "services",
     ("apps/v1", "Deployment"): "deployments",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    # Pipeline-parallel pools (engine_pool.leader_worker_set); the LWS controller serves the kind.
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkersets",
 }
 # The kinds whose objects come and go with the spec (pools with the mode, policies with their
 # switches): only these are listed and pruned. The gateway's ServiceAccount, Role, RoleBinding
 # and ConfigMap live as long as the InferenceService, so the operator needs no right to list or
 # delete those.
 PRUNED_KINDS: tuple[tuple[str, str], ...] = (
-    ("apps/v1", "Deployment"), ("v1", "Service"), ("networking.k8s.io/v1", "NetworkPolicy"))
+    ("apps/v1", "Deployment"), ("v1", "Service"), ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"))
 # Created, never applied nor pruned (the garbage collector removes it with its owner).
 CREATED_KINDS: dict[tuple[str, str], str] = {("v1", "Secret"): "secrets"}
 HTTP_CONFLICT = 409
@@ -53,7 +56,7 @@ class ClusterApi(Protocol):
     def apply(self, obj: dict) -> None: ...
     def list_managed(self, namespace: str, label_selector: str) -> list[ObjectKey]: ...
     def delete(self, namespace: str, key: ObjectKey) -> None: ...
-    def get_deployment(self, namespace: str, name: str) -> dict | None: ...
+    def get_workload(self, namespace: str, api_version: str, kind: str, name: str) -> dict | None: ...
     def secret_exists(self, namespace: str, name: str) -> bool: ...
     def create(self, obj: dict) -> bool: ...
     def list_pods(self, namespace: str, label_selector: str) -> list[dict]: ...
@@ -91,7 +94,11 @@ class KubeApi:
     def apply(self, obj: dict) -> None:
         meta = obj["metadata"]
         path = f"{collection_path(obj['apiVersion'], obj['kind'], meta['namespace'])}/{meta['name']}"
-        self._request("PATCH", path, [("fieldManager", FIELD_MANAGER), ("force", "true")], obj, APPLY_CONTENT_TYPE)
+        if self._request("PATCH", path, [("fieldManager", FIELD_MANAGER), ("force", "true")], obj,
+                         APPLY_CONTENT_TYPE) is None:
+            # A 404 on apply: the API server does not serve the kind (a LeaderWorkerSet without its controller).
+            raise ApiError(404, "PATCH", path, f"the cluster does not serve {obj['apiVersion']} {obj['kind']}"
+                           + (" (install the LeaderWorkerSet controller)" if obj["kind"] == "LeaderWorkerSet" else ""))
 
     def list_managed(self, namespace: str, label_selector: str) -> list[ObjectKey]:
         keys = []
@@ -105,8 +112,9 @@ class KubeApi:
         path = f"{collection_path(key.api_version, key.kind, namespace)}/{key.name}"
         self._request("DELETE", path, [("propagationPolicy", "Background")])
 
-    def get_deployment(self, namespace: str, name: str) -> dict | None:
-        return self._request("GET", f"{collection_path('apps/v1', 'Deployment', namespace)}/{name}")
+    def get_workload(self, namespace: str, api_version: str, kind: str, name: str) -> dict | None:
+        """A Deployment or LeaderWorkerSet (status.readyReplicas: pods, or groups); None when absent."""
+        return self._request("GET", f"{collection_path(api_version, kind, namespace)}/{name}")
 
     def secret_exists(self, namespace: str, name: str) -> bool:
         # The answer is only whether it exists: the value is read by nobody but the pods.

@@ -56,6 +56,11 @@ def engine_policy_name(owner: Owner) -> str:
     return f"{owner.name}-engine"
 
 
+def group_policy_name(owner: Owner, role: str) -> str:
+    """The NetworkPolicy between the pods of a pipeline-parallel pool's groups."""
+    return f"{pool_name(owner, role)}-group"
+
+
 def redis_policy_name(owner: Owner) -> str:
     return f"{owner.name}-redis"
 
@@ -89,8 +94,13 @@ def instance_selector(owner: Owner) -> str:
     return f"{INSTANCE_LABEL}={owner.name},app.kubernetes.io/managed-by={MANAGED_BY}"
 
 
+def selector_string(labels_: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels_.items())
+
+
 def pool_selector(owner: Owner, role: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in selector(owner, "engine", role).items())
+    """Every pod of a pool (engine_pool.pod_selector: its serving pods)."""
+    return selector_string(selector(owner, "engine", role))
 
 
 def gateway_selector(owner: Owner) -> str:

@@ -6,6 +6,11 @@
   channel's data path); the metrics port only from the operator's namespace (the autoscaler
   scrapes it) and the namespaces in spec.networkPolicy.metricsNamespaces.
 - Gateway pods: REST and gRPC from anywhere (the public entry point); metrics as above.
+- Pipeline-parallel pools (LeaderWorkerSets): every TCP port of a pool's group pods from the pods
+  of the same LeaderWorkerSet: the ranks meet at the leader's master port (and the next one), then
+  gloo and NCCL connect them on ephemeral ports, which no fixed port list covers. A policy cannot
+  say "the same group", so the groups of one pool admit each other; no other pod gets past the
+  engine policy's ports.
 - Redis, when kvStore.redis.podSelector names its pods: only this InferenceService's engine pods
   (and its gateway pods when spec.batch.redis keeps the Batch API there), on kvStore.redis.port.
 
@@ -100,9 +105,19 @@ def redis_policy(owner: Owner, spec: dict) -> dict | None:
                    ingress)
 
 
+def group_policy(owner: Owner, role: str) -> dict:
+    """A pipeline-parallel pool's pods (leaders and workers) admit each other on every TCP port."""
+    group = {**names.selector(owner, "engine", role), engine_pool.LWS_NAME_LABEL: names.pool_name(owner, role)}
+    # A port entry with a protocol and no port: every port of that protocol.
+    ingress = [{"from": [{"podSelector": {"matchLabels": dict(group)}}], "ports": [{"protocol": "TCP"}]}]
+    return _policy(owner, names.group_policy_name(owner, role), names.labels(owner, "engine", role), group, ingress)
+
+
 def policies(owner: Owner, spec: dict, operator_namespace: str | None) -> list[dict]:
     if not spec["networkPolicy"]["enabled"]:
         return []
     out = [engine_policy(owner, spec, operator_namespace), gateway_policy(owner, spec, operator_namespace)]
+    out += [group_policy(owner, role) for role in names.active_pools(spec["mode"])
+            if engine_pool.is_group_pool(spec, role)]
     redis = redis_policy(owner, spec)
     return out + ([redis] if redis else [])

@@ -52,9 +52,11 @@ def gateway_demand(api: ClusterApi, owner: Owner, memory: ScrapeMemory) -> signa
     return demand
 
 
-def observe_pool(api: ClusterApi, owner: Owner, role: str, replicas: int, signal: str,
+def observe_pool(api: ClusterApi, owner: Owner, role: str, selector: dict[str, str], replicas: int, signal: str,
                  demand: signals.GatewayDemand, memory: ScrapeMemory) -> PoolObservation:
-    all_pods = api.list_pods(owner.namespace, names.pool_selector(owner, role))
+    """`selector`: the pool's serving pods (engine_pool.pod_selector: a LeaderWorkerSet's leaders, so
+    ready and pending count groups, as its replicas do)."""
+    all_pods = api.list_pods(owner.namespace, names.selector_string(selector))
     ready = [p for p in all_pods if pods.is_ready(p)]
     starting = [p for p in all_pods if pods.is_starting(p)]
     samples = {name: signals.parse_pod_metrics(text, scraped_at=at)

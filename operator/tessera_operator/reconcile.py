@@ -61,7 +61,7 @@ def desired_objects(body: dict, replicas: dict[str, int] | None = None,
     objects += network_policy.policies(owner, spec, operator_namespace)
     for role in names.active_pools(spec["mode"]):
         count = (replicas or {}).get(role, desired_replicas(spec, status, role))
-        objects += [engine_pool.service(owner, role), engine_pool.deployment(owner, spec, role, count)]
+        objects += [engine_pool.service(owner, spec, role), engine_pool.workload(owner, spec, role, count)]
     objects += [gateway.deployment(owner, spec), gateway.service(owner, spec)]
     return objects
 

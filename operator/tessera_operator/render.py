@@ -58,8 +58,19 @@ def secret_refs(objects: list[dict]) -> list[str]:
     return sorted({name for obj in objects for name in _pod_secret_names(obj)})
 
 
+def _pod_templates(obj: dict) -> list[dict]:
+    """The pod templates of a workload: a Deployment's, a LeaderWorkerSet's leader and worker."""
+    spec = obj.get("spec", {})
+    group = spec.get("leaderWorkerTemplate", {})
+    return [t for t in (spec.get("template"), group.get("leaderTemplate"), group.get("workerTemplate")) if t]
+
+
 def _pod_secret_names(obj: dict) -> Iterator[str]:
-    pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+    for template in _pod_templates(obj):
+        yield from _template_secret_names(template.get("spec", {}))
+
+
+def _template_secret_names(pod: dict) -> Iterator[str]:
     for volume in pod.get("volumes", []):
         if "secret" in volume:
             yield volume["secret"]["secretName"]

@@ -1,5 +1,6 @@
-"""The InferenceService's status from its Deployments: replicas per pool, the LoRA adapters
-served, and conditions.
+"""The InferenceService's status from its workloads (Deployments, and LeaderWorkerSets for
+pipeline-parallel pools, whose readyReplicas count ready groups): replicas per pool, the LoRA
+adapters served, and conditions.
 
 A component's condition is True when it can serve: at least one ready pod,
 or a pool deliberately scaled to zero (the gateway queues its requests and
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera_operator import loras, names
+from tessera_operator import engine_pool, loras, names
 from tessera_operator.names import Owner
 
 POOL_CONDITION = {"mixed": "EngineReady", "prefill": "PrefillReady", "decode": "DecodeReady"}
@@ -31,19 +32,21 @@ class Condition:
                 "lastTransitionTime": since, "observedGeneration": generation}
 
 
-def _ready_count(deployment: dict | None) -> int:
-    return int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0)
+def _ready_count(workload: dict | None) -> int:
+    return int(((workload or {}).get("status") or {}).get("readyReplicas") or 0)
 
 
-def component_condition(cond_type: str, deployment: dict | None, desired: int) -> Condition:
-    if deployment is None:
-        return Condition(cond_type, False, "NotCreated", "Deployment not found")
-    ready = _ready_count(deployment)
+def component_condition(cond_type: str, workload: dict | None, desired: int, kind: str = "Deployment") -> Condition:
+    """From a Deployment's ready pods, or a LeaderWorkerSet's ready groups (`kind`)."""
+    if workload is None:
+        return Condition(cond_type, False, "NotCreated", f"{kind} not found")
+    ready = _ready_count(workload)
+    unit = "pods" if kind == "Deployment" else "groups"
     if desired == 0:
         return Condition(cond_type, True, "ScaledToZero", "0 replicas; requests wait at the gateway")
     if ready == 0:
-        return Condition(cond_type, False, "NoReadyPods", f"0/{desired} pods ready")
-    return Condition(cond_type, True, "Available", f"{ready}/{desired} pods ready")
+        return Condition(cond_type, False, "NoReadyPods", f"0/{desired} {unit} ready")
+    return Condition(cond_type, True, "Available", f"{ready}/{desired} {unit} ready")
 
 
 def overall_condition(parts: list[Condition]) -> Condition:
@@ -55,14 +58,15 @@ def overall_condition(parts: list[Condition]) -> Condition:
 
 def build_status(isvc: dict, deployments: dict[str, dict | None], desired: dict[str, int],
                  old_status: dict, now: str) -> dict:
-    """The status to write; `deployments` by name (None when missing), `desired` replicas by pool."""
+    """The status to write; `deployments`: the workloads by name (None when missing), `desired`
+    replicas by pool."""
     owner, spec = Owner.of(isvc), isvc["spec"]
     generation = isvc["metadata"].get("generation", 0)
     roles = names.active_pools(spec["mode"])
     gw_name = names.gateway_name(owner)
     parts = [component_condition("GatewayReady", deployments.get(gw_name), spec["gateway"]["replicas"])]
-    parts += [component_condition(POOL_CONDITION[r], deployments.get(names.pool_name(owner, r)), desired[r])
-              for r in roles]
+    parts += [component_condition(POOL_CONDITION[r], deployments.get(names.pool_name(owner, r)), desired[r],
+                                  engine_pool.workload_kind(spec, r)[1]) for r in roles]
     parts.append(overall_condition(parts))
     previous = {c.get("type"): c for c in old_status.get("conditions") or []}
     old_pools = old_status.get("pools") or {}

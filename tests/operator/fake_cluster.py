@@ -38,7 +38,7 @@ def rbac_resource(api_version: str, kind: str) -> tuple[str, str]:
 @dataclass
 class FakeCluster:
     objects: dict[tuple[str, ObjectKey], dict] = field(default_factory=dict)
-    ready: dict[str, int] = field(default_factory=dict)            # Deployment name -> readyReplicas
+    ready: dict[str, int] = field(default_factory=dict)            # Deployment/LeaderWorkerSet name -> readyReplicas
     pods: dict[str, list[dict]] = field(default_factory=dict)      # label selector -> pods
     metrics: dict[str, str] = field(default_factory=dict)          # "ip:port" -> /metrics text
     calls: list[tuple] = field(default_factory=list)
@@ -72,10 +72,10 @@ class FakeCluster:
         self._verb(key.api_version, key.kind, "delete")
         self.objects.pop((namespace, key), None)
 
-    def get_deployment(self, namespace: str, name: str) -> dict | None:
-        self.calls.append(("get_deployment", name))
-        self._verb("apps/v1", "Deployment", "get")
-        obj = self.objects.get((namespace, ObjectKey("apps/v1", "Deployment", name)))
+    def get_workload(self, namespace: str, api_version: str, kind: str, name: str) -> dict | None:
+        self.calls.append(("get_workload", kind, name))
+        self._verb(api_version, kind, "get")
+        obj = self.objects.get((namespace, ObjectKey(api_version, kind, name)))
         if obj is None:
             return None
         return {**copy.deepcopy(obj), "status": {"readyReplicas": self.ready.get(name, 0)}}
@@ -108,6 +108,9 @@ class FakeCluster:
 
     def deployment(self, namespace: str, name: str) -> dict:
         return self.objects[(namespace, ObjectKey("apps/v1", "Deployment", name))]
+
+    def leader_worker_set(self, namespace: str, name: str) -> dict:
+        return self.objects[(namespace, ObjectKey("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", name))]
 
     def secret(self, namespace: str, name: str) -> dict | None:
         return self.objects.get((namespace, ObjectKey("v1", "Secret", name)))

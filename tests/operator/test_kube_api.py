@@ -48,7 +48,7 @@ class Recorder(BaseHTTPRequestHandler):
             return 403, {"kind": "Status", "message": "forbidden"}
         if self.command == "GET" and path.endswith(("/pods", "/deployments", "/services")):
             return 200, {"items": [{"metadata": {"name": "x"}}]}
-        if self.command == "GET" and path.rsplit("/", 1)[0].endswith("/deployments"):
+        if self.command == "GET" and path.rsplit("/", 1)[0].endswith(("/deployments", "/leaderworkersets")):
             return 200, {"metadata": {"name": "d"}, "status": {"readyReplicas": 2}}
         return 200, {"items": []} if self.command == "GET" else {}
 
@@ -97,8 +97,11 @@ def test_apply_is_server_side_apply_on_the_right_paths(server):
 
 def test_reads_lists_and_deletes(server):
     api, seen = server
-    assert api.get_deployment("ml", "llama-engine")["status"]["readyReplicas"] == 2
-    assert api.get_deployment("ml", "missing") is None
+    assert api.get_workload("ml", "apps/v1", "Deployment", "llama-engine")["status"]["readyReplicas"] == 2
+    assert api.get_workload("ml", "apps/v1", "Deployment", "missing") is None
+    lws = api.get_workload("ml", "leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "llama-engine")
+    assert lws["status"]["readyReplicas"] == 2
+    assert seen[-1]["path"] == "/apis/leaderworkerset.x-k8s.io/v1/namespaces/ml/leaderworkersets/llama-engine"
     assert api.list_pods("ml", "a=b") == [{"metadata": {"name": "x"}}]
     keys = api.list_managed("ml", "tessera.dev/inference-service=llama")
     assert ObjectKey("apps/v1", "Deployment", "x") in keys and ObjectKey("v1", "Service", "x") in keys
@@ -107,14 +110,25 @@ def test_reads_lists_and_deletes(server):
     assert (delete["method"], delete["path"]) == ("DELETE", "/apis/apps/v1/namespaces/ml/deployments/llama-engine")
     assert delete["query"] == {"propagationPolicy": ["Background"]}
     lists = [r for r in seen if r["query"].get("labelSelector") == ["tessera.dev/inference-service=llama"]]
-    assert len(lists) == 3  # one per pruned kind: Deployment, Service, NetworkPolicy
+    assert len(lists) == 4  # one per pruned kind: Deployment, Service, NetworkPolicy, LeaderWorkerSet
+    assert "/apis/leaderworkerset.x-k8s.io/v1/namespaces/ml/leaderworkersets" in {r["path"] for r in lists}
 
 
 def test_errors_raise_with_the_status(server):
     api, _ = server
     with pytest.raises(ApiError) as info:
-        api.get_deployment("ml", "forbidden")
+        api.get_workload("ml", "apps/v1", "Deployment", "forbidden")
     assert info.value.status == 403 and "forbidden" in str(info.value)
+
+
+def test_apply_of_a_kind_the_cluster_does_not_serve_is_an_error(server):
+    """A 404 on apply (no LeaderWorkerSet CRD: its controller is not installed) is no silent success."""
+    api, _ = server
+    lws = next(o for o in desired_objects(make_isvc({"engine": {"pipelineParallelSize": 2}}))
+               if o["kind"] == "LeaderWorkerSet")
+    with pytest.raises(ApiError, match="install the LeaderWorkerSet controller") as info:
+        api.apply({**lws, "metadata": {**lws["metadata"], "name": "missing"}})
+    assert info.value.status == 404
 
 
 def test_secret_is_read_for_existence_and_created_once(server):

@@ -37,7 +37,8 @@ def admits(policies: list[dict], target: dict, source: dict, port: int) -> bool:
     for policy in selecting:
         for rule in policy["spec"].get("ingress", []):
             # An empty or missing list matches everything (ports and sources alike).
-            port_ok = not rule.get("ports") or any(p["port"] == port for p in rule["ports"])
+            # A port entry without a port: every port (of its protocol, TCP here).
+            port_ok = not rule.get("ports") or any(p.get("port", port) == port for p in rule["ports"])
             from_ok = not rule.get("from") or any(_peer_admits(peer, source, target["namespace"])
                                                   for peer in rule["from"])
             if port_ok and from_ok:

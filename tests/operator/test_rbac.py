@@ -3,7 +3,8 @@ is exercised by a reconcile here, against FakeCluster recording each call as the
 authorizer sees it, and every call made is granted.
 
 The scenarios are the handlers' own paths: create (with the internal Secret and a Redis policy),
-status, an autoscaling pass that scales, an update that switches mode and prunes, and delete.
+status, an autoscaling pass that scales, an update to pipeline parallelism (the pool a LeaderWorkerSet),
+an update that switches mode and prunes, and delete.
 What kopf itself does (watching and patching InferenceServices, posting events) is listed below,
 read off kopf's client code: list + watch (fetching/watching), merge-patch of the object and of
 its status subresource (patching), event POST (events); no GET of single objects. Held for
@@ -46,10 +47,15 @@ def exercised(events) -> set[tuple[str, str, str]]:
     _serve(cluster, body, "mixed", [(pod("m-0", "10.0.0.1"), ENGINE_METRICS.format(waiting=40, running=8, kv=0.5))])
     body = with_status(body, call(on_tick, body, cluster, memo=memo))                        # scale up
     assert cluster.deployment("ml", "llama-engine")["spec"]["replicas"] > 1
+    # Pipeline parallelism: the pool becomes a LeaderWorkerSet (created, read for status)...
+    call(on_change, make_isvc({"engine": {"pipelineParallelSize": 2}}), cluster, memo=memo, reason="update")
+    assert cluster.leader_worker_set("ml", "llama-engine")
     # Switch mode and drop the Redis policy: both prune.
     update = make_isvc({"mode": "disaggregated", "kvStore": {"redis": {"urlSecretRef": {"name": "r"}}}})
     call(on_change, update, cluster, memo=memo, reason="update")
-    assert {("delete", "Deployment", "llama-engine"), ("delete", "NetworkPolicy", "llama-redis")} <= set(cluster.calls)
+    # ... and is pruned with the mode switch.
+    assert {("delete", "Deployment", "llama-engine"), ("delete", "NetworkPolicy", "llama-redis"),
+            ("delete", "LeaderWorkerSet", "llama-engine")} <= set(cluster.calls)
     call(on_delete, body, cluster, memo=memo, reason="delete")
     return cluster.verbs
 

@@ -70,6 +70,10 @@ reconcile path against a recording fake and compares).
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "create", "patch", "delete"]
+# Pipeline-parallel pools; the LeaderWorkerSet controller (not part of this chart) serves the kind.
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["list", "create", "patch", "delete"]

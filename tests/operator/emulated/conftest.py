@@ -44,6 +44,7 @@ KINDS = {
     "Role": "rbac.authorization.k8s.io/v1/roles",
     "RoleBinding": "rbac.authorization.k8s.io/v1/rolebindings",
     "NetworkPolicy": "networking.k8s.io/v1/networkpolicies",
+    "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1/leaderworkersets",
 }
 
 

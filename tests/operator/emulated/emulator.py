@@ -90,6 +90,8 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "v1/pods": {"kind": "Pod", "subresources": ["status"]},
     "apps/v1/deployments": {"kind": "Deployment", "subresources": ["status"]},
     "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy"},
+    # Served by the LeaderWorkerSet controller's CRD on a real cluster (pipeline-parallel pools).
+    "leaderworkerset.x-k8s.io/v1/leaderworkersets": {"kind": "LeaderWorkerSet", "subresources": ["status"]},
     "rbac.authorization.k8s.io/v1/roles": {"kind": "Role"},
     "rbac.authorization.k8s.io/v1/rolebindings": {"kind": "RoleBinding"},
     "apiextensions.k8s.io/v1/customresourcedefinitions": {"kind": "CustomResourceDefinition",

@@ -280,3 +280,45 @@ def test_delete_runs_the_finalizer_and_leaves_the_children_to_garbage_collection
     time.sleep(3 * TICK_S)
     assert {k: o["metadata"]["resourceVersion"] for k, o in cluster.owned(name).items()} == versions
     assert operator.alive
+
+
+def test_a_pipeline_parallel_pool_is_a_leader_worker_set_whose_ready_groups_make_it_ready(cluster, operator):
+    """engine.pipelineParallelSize 2: a LeaderWorkerSet (owned, groups of 2), no engine Deployment, the
+    pool's Service selecting leaders only; the LWS controller's status (ready groups) brings Ready."""
+    body = example("mixed")
+    body["spec"].setdefault("engine", {})["pipelineParallelSize"] = 2
+    for field in ("loras", "kvStore"):
+        body["spec"].pop(field, None)
+    body["spec"]["engine"].pop("lora", None)
+    name = body["metadata"]["name"]
+    cluster.apply_isvc(body)
+    isvc = applied(cluster, name)
+    lws_path = f"{collection('LeaderWorkerSet')}/{name}-engine"
+    lws = wait_for(lambda: cluster.get(lws_path), "the LeaderWorkerSet", logs=operator.log)
+    assert lws["metadata"]["ownerReferences"][0]["uid"] == isvc["metadata"]["uid"]
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    assert lws["spec"]["replicas"] == isvc["status"]["pools"]["mixed"]["desiredReplicas"]
+    assert cluster.deployment(f"{name}-engine") is None
+    service = cluster.get(f"{collection('Service')}/{name}-engine")
+    assert service["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    group = cluster.get(f"{collection('NetworkPolicy')}/{name}-engine-group")
+    assert group["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP"}]
+
+    cluster.set_ready(f"{name}-gateway", 1)
+    engine = wait_for(lambda: cluster.condition(name, "EngineReady"), "EngineReady")
+    assert (engine["status"], engine["reason"]) == ("False", "NoReadyPods")
+    # What the LWS controller would write: every group ready.
+    wanted = lws["spec"]["replicas"]
+    cluster.patch(f"{lws_path}/status", {"status": {"replicas": wanted, "readyReplicas": wanted,
+                                                    "updatedReplicas": wanted}})
+    up = wait_for(lambda: (c := cluster.condition(name)) and c["status"] == "True" and c, "Ready True",
+                  logs=operator.log)
+    assert up["reason"] == "AllComponentsReady"
+    assert cluster.condition(name, "EngineReady")["message"] == f"{wanted}/{wanted} groups ready"
+    assert cluster.isvc(name)["status"]["pools"]["mixed"]["readyReplicas"] == wanted
+
+    # Pipeline parallelism off: the LeaderWorkerSet and its group policy go, a Deployment comes.
+    cluster.edit_isvc(name, {"spec": {"engine": {"pipelineParallelSize": 1}}})
+    wait_for(lambda: cluster.deployment(f"{name}-engine") and cluster.get(lws_path) is None,
+             "the Deployment back and the LeaderWorkerSet pruned", logs=operator.log)
+    assert cluster.get(f"{collection('NetworkPolicy')}/{name}-engine-group") is None
