@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tessera_tools.tune.knobs import KNOWN, Knob, parse_knob
+from tessera_tools.tune.knobs import KNOWN, Knob, check_mode, current, default_knobs, parse_knob
 from tessera_tools.tune.search import Trial, best_of, search
 from tessera_tools.tune.slo import SLO, parse_slo
 
@@ -20,8 +20,9 @@ def add_parser(sub) -> None:
     p.add_argument("--slo", action="append", default=[], required=True,
                    help="METRIC:pNN:MS, e.g. e2el:p99:2000 or ttft:p90:500 (ttft, itl, tpot, e2el); repeatable")
     p.add_argument("--knob", action="append", default=[],
-                   help="NAME or NAME=V1,V2,... of spec.engine to search (default: "
-                        + "; ".join(f"{k}={','.join(map(str, v))}" for k, v in KNOWN.items()) + ")")
+                   help="NAME or NAME=V1,V2,... to search: " + ", ".join(KNOWN) + " (the replicas of a "
+                        "disaggregated service's pools; default: every knob its mode has, with "
+                        + "; ".join(f"{k}={','.join(map(str, v[1]))}" for k, v in KNOWN.items()) + ")")
     p.add_argument("--request-rates", default="1,2,4",
                    help="requests/s to try, ascending (a single value: a target rate)")
     p.add_argument("--num-prompts", type=int, default=50, help="requests per rate")
@@ -44,7 +45,7 @@ def _inputs(args: argparse.Namespace):
     from tessera_tools.up.runner import load_resource
 
     slos = [parse_slo(s) for s in args.slo]
-    knobs = [parse_knob(k) for k in args.knob] or [Knob(name, values) for name, values in KNOWN.items()]
+    knobs = [parse_knob(k) for k in args.knob]
     if len({k.name for k in knobs}) != len(knobs):
         raise ValueError("--knob: each knob once")
     rates = parse_rates(args.request_rates)
@@ -57,7 +58,9 @@ def _inputs(args: argparse.Namespace):
     model_path = local_model_path(spec["model"], Path(args.models_dir))
     if not (model_path / "config.json").is_file():
         raise ValueError(f"spec.model: no checkpoint at {model_path} (pass --models-dir)")
-    start = {k.name: spec["engine"][k.name] for k in knobs}
+    knobs = knobs or default_knobs(spec["mode"])
+    check_mode(knobs, spec["mode"])
+    start = {k.name: current(spec, k) for k in knobs}
     return resource, spec, model_path, slos, knobs, rates, start
 
 

@@ -1,5 +1,5 @@
-"""What a tuning run leaves: the recommended settings as a merge patch of
-spec.engine (`kubectl patch inferenceservice NAME --type merge --patch-file
+"""What a tuning run leaves: the recommended settings as a merge patch
+(`kubectl patch inferenceservice NAME --type merge --patch-file
 patch.yaml`) and as the whole resource (`kubectl apply -f tuned.yaml`), the
 trials as JSON, and goodput against each knob as a plot."""
 
@@ -15,7 +15,8 @@ from tessera_tools.tune.search import Trial
 
 
 def engine_patch(settings: dict[str, int]) -> dict:
-    return {"spec": {"engine": dict(settings)}}
+    """The settings as a merge patch of the resource (spec.engine, spec.pools)."""
+    return {"spec": with_settings({}, settings)["spec"]}
 
 
 def trial_record(trial: Trial) -> dict:

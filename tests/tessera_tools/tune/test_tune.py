@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from tessera_tools.cli import main
-from tessera_tools.tune.knobs import Knob, parse_knob
+from tessera_tools.tune.knobs import Knob, check_mode, default_knobs, parse_knob, with_settings
+from tessera_tools.tune.report import engine_patch
 from tessera_tools.tune.search import Trial, best_of, search
 from tessera_tools.tune.slo import misses, parse_slo, per_request_bounds
 
@@ -78,7 +79,23 @@ def test_knobs_parse():
             parse_knob(bad)
 
 
+def test_pool_sizes_are_knobs_of_a_disaggregated_service_only():
+    resource = {"spec": {"mode": "disaggregated", "engine": {"maxNumSeqs": 64}, "pools": {"prefill": {"replicas": 1}}}}
+    tuned = with_settings(resource, {"prefillReplicas": 2, "decodeReplicas": 3, "maxNumSeqs": 16})
+    assert tuned["spec"]["pools"] == {"prefill": {"replicas": 2}, "decode": {"replicas": 3}}
+    assert tuned["spec"]["engine"] == {"maxNumSeqs": 16}
+    assert resource["spec"]["pools"] == {"prefill": {"replicas": 1}}  # a copy: the input is untouched
+    assert engine_patch({"decodeReplicas": 2, "maxNumSeqs": 8}) == {
+        "spec": {"pools": {"decode": {"replicas": 2}}, "engine": {"maxNumSeqs": 8}}}
+    assert [k.name for k in default_knobs("mixed")] == ["maxNumSeqs", "maxNumBatchedTokens"]
+    assert [k.name for k in default_knobs("disaggregated")][2:] == ["prefillReplicas", "decodeReplicas"]
+    check_mode([parse_knob("decodeReplicas=1,2")], "disaggregated")
+    with pytest.raises(ValueError, match="only a disaggregated service has it"):
+        check_mode([parse_knob("decodeReplicas=1,2")], "mixed")
+
+
 @pytest.mark.parametrize("argv, resource, message", [
+    (["--knob", "prefillReplicas=1,2"], _resource(), "only a disaggregated service has it"),
     (["--knob", "maxLoras=1,2"], _resource(), "not one this tuner searches"),
     (["--slo", "e2el:p99"], _resource(), "expected METRIC:pNN:MS"),
     (["--request-rates", "4,2"], _resource(), "ascending"),
