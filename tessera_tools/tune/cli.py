@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
                                                    "(tessera bench serve's format)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds each start may take")
+    p.add_argument("--simulate", default=None, metavar="PROFILE",
+                   help="simulated engine pods with this step-time profile (engine_pod/sim/profiles): fleet-scale "
+                        "questions (many replicas, a GPU's step times) on this machine")
     p.add_argument("--output-dir", default=None, help="where the patch, report and plots go "
                                                       "(default: bench-results/tune-NAME)")
     p.set_defaults(func=main)
@@ -58,6 +61,8 @@ def _inputs(args: argparse.Namespace):
     model_path = local_model_path(spec["model"], Path(args.models_dir))
     if not (model_path / "config.json").is_file():
         raise ValueError(f"spec.model: no checkpoint at {model_path} (pass --models-dir)")
+    if args.simulate and not Path(args.simulate).is_file():
+        raise ValueError(f"--simulate {args.simulate}: no such profile")
     knobs = knobs or default_knobs(spec["mode"])
     check_mode(knobs, spec["mode"])
     start = {k.name: current(spec, k) for k in knobs}
@@ -107,7 +112,8 @@ def main(args: argparse.Namespace) -> int:
         nonlocal count
         count += 1
         with tempfile.TemporaryDirectory(prefix="tessera-tune-") as work:
-            trial = run_trial(resource, settings, workload, args.models_dir, Path(work), args.ready_timeout)
+            trial = run_trial(resource, settings, workload, args.models_dir, Path(work), args.ready_timeout,
+                              args.simulate)
         print(f"[trial {count}] {_describe(trial, slos)}", flush=True)
         return trial
 

@@ -48,13 +48,15 @@ class PlatformFailed(RuntimeError):
 class Platform:
     """`tessera up` on one resource file, until stopped."""
 
-    def __init__(self, resource_file: Path, models_dir: str, work: Path, ready_timeout: float) -> None:
+    def __init__(self, resource_file: Path, models_dir: str, work: Path, ready_timeout: float,
+                 simulate: str | None = None) -> None:
         self.http_port, self.grpc_port = free_port(), free_port()
         self.base_url = f"http://127.0.0.1:{self.http_port}"
         self.log_path = work / "up.log"
         self.child = ChildProcess(["up", "-f", str(resource_file), "--models-dir", models_dir,
                                    "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-                                   "--log-dir", str(work / "logs"), "--no-pin"], log_path=self.log_path)
+                                   "--log-dir", str(work / "logs"), "--no-pin",
+                                   *(["--simulate", simulate] if simulate else [])], log_path=self.log_path)
         self._wait_ready(ready_timeout)
 
     def _wait_ready(self, timeout: float) -> None:
@@ -110,13 +112,14 @@ def trial_result(settings: dict[str, int], runs: list[dict]) -> Trial:
 
 
 def run_trial(resource: dict, settings: dict[str, int], workload: Workload, models_dir: str, work: Path,
-              ready_timeout: float) -> Trial:
-    """Start the platform with `settings`, load it, stop it."""
+              ready_timeout: float, simulate: str | None = None) -> Trial:
+    """Start the platform with `settings` (its engine pods simulated with the profile `simulate`, if
+    given), load it, stop it."""
     work.mkdir(parents=True, exist_ok=True)
     resource_file = work / "inferenceservice.yaml"
     resource_file.write_text(yaml.safe_dump(with_settings(resource, settings), sort_keys=False))
     try:
-        platform = Platform(resource_file, models_dir, work, ready_timeout)
+        platform = Platform(resource_file, models_dir, work, ready_timeout, simulate)
     except PlatformFailed as e:
         return Trial(settings, 0.0, False, {"error": str(e)})
     try:

@@ -81,6 +81,8 @@ class LocalOptions:
     pin_cpus: bool = True
     # What outlives a run (logs, spec.batch.volume's folder); None: .tessera/up/NAME (state_dir()).
     state_dir: Path | None = None
+    # A step-time profile: every engine pod simulated (engine_pod/sim; no torch, no model compute).
+    simulate: str | None = None
 
 
 def state_dir(options: LocalOptions, name: str) -> Path:
@@ -134,6 +136,8 @@ def build_plan(resource: dict, options: LocalOptions, free_port: Callable[[], in
         kv_inbox_port = free_port() if KV_INBOX_PORT_FLAG in args else 0
         threads = len(cpu_set) if cpu_set else max(1, len(cpus) // len(replicas))
         args = _local_engine_args(args, model_path, grpc_port, metrics_port, kv_inbox_port, threads)
+        if options.simulate:
+            args = _simulated_engine_args(args, options.simulate)
         args = _local_lora_args(args, spec, options.models_dir)
         engines.append(EngineChild(f"{role}-{index}", role, grpc_port, metrics_port, args, cpu_set, dict(redis_env),
                                    kv_inbox_port))
@@ -181,6 +185,14 @@ def _local_engine_args(args: list[str], model_path: Path, grpc_port: int, metric
         if arg in replace:
             out[i + 1] = replace[arg]
     return out + ["--cpu-threads", str(threads)]
+
+
+def _simulated_engine_args(args: list[str], profile: str) -> list[str]:
+    """A pod that simulates its steps with `profile`: it computes in no dtype, so the resource's
+    model.dtype gives way to auto (the KV pool is sized in the checkpoint's stored dtype)."""
+    out = list(args)
+    out[out.index("--dtype") + 1] = "auto"
+    return out + ["--simulate", profile]
 
 
 def _local_lora_args(args: list[str], spec: dict, models_dir: Path) -> list[str]:

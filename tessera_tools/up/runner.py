@@ -56,6 +56,9 @@ def add_parser(sub) -> None:
                    help="child logs and what outlives a run, such as spec.batch.volume's folder "
                         "(default: .tessera/up/NAME)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every pod to serve")
+    p.add_argument("--simulate", default=None, metavar="PROFILE",
+                   help="simulate every engine pod with this step-time profile (engine_pod/sim/profiles; no model "
+                        "compute, no torch): a fleet of many pods on one machine")
     p.set_defaults(func=run)
 
 
@@ -84,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else None
     options = LocalOptions(models_dir=Path(args.models_dir), host=args.host, http_port=args.http_port,
                            grpc_port=args.grpc_port, metrics_port=args.metrics_port, tenants_file=args.tenants_file,
-                           redis_url=args.redis_url, pin_cpus=not args.no_pin, state_dir=log_dir)
+                           redis_url=args.redis_url, pin_cpus=not args.no_pin, state_dir=log_dir,
+                           simulate=args.simulate)
     # Before any child starts: a taken port is a one-line error now, not a gateway that exits at every restart.
     check_ports(options.host, {"--http-port": options.http_port, "--grpc-port": options.grpc_port,
                                "--metrics-port": options.metrics_port})

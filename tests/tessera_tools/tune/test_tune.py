@@ -6,6 +6,7 @@ starts."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -99,6 +100,7 @@ def test_pool_sizes_are_knobs_of_a_disaggregated_service_only():
     (["--knob", "maxLoras=1,2"], _resource(), "not one this tuner searches"),
     (["--slo", "e2el:p99"], _resource(), "expected METRIC:pNN:MS"),
     (["--request-rates", "4,2"], _resource(), "ascending"),
+    (["--simulate", "no-such-profile.json"], _resource(), "no such profile"),
     ([], _resource(max_num_seqs=0), "maxNumSeqs"),
 ])
 def test_bad_inputs_exit_2_before_anything_starts(tmp_path, models_dir, capsys, argv, resource, message):
@@ -108,6 +110,7 @@ def test_bad_inputs_exit_2_before_anything_starts(tmp_path, models_dir, capsys, 
     assert not (tmp_path / "out").exists()
 
 
+SIM_PROFILE = Path(__file__).resolve().parents[3] / "engine_pod" / "sim" / "profiles" / "bench-cpu.json"
 TUNE = ["--request-rates", "4", "--num-prompts", "8", "--max-prompt-len", "48", "--max-output-len", "8",
         "--ready-timeout", "120"]
 
@@ -127,6 +130,20 @@ def test_a_two_point_search_end_to_end(tmp_path, models_dir):
     tuned = yaml.safe_load((out / "tuned.yaml").read_text())
     assert tuned["spec"]["engine"]["maxNumBatchedTokens"] == 512 and tuned["metadata"]["name"] == "tuned"
     assert (out / "goodput_vs_maxNumSeqs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_fleet_of_simulated_pods(tmp_path, models_dir):
+    """Fleet-scale questions run on simulated pods (no model compute): four replicas, two settings."""
+    resource = _resource()
+    resource["spec"]["pools"]["mixed"]["replicas"] = 4
+    out = tmp_path / "out"
+    rc = main(["tune", "-f", str(_write(tmp_path, resource)), "--models-dir", str(models_dir), *TUNE,
+               "--simulate", str(SIM_PROFILE), "--slo", "e2el:p99:60000", "--knob", "maxNumSeqs=1,4",
+               "--output-dir", str(out)])
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [t["settings"]["maxNumSeqs"] for t in report["trials"]] == [1, 4]
+    assert all(t["meets_slos"] and t["rates"][0]["completed"] == 8 for t in report["trials"])
 
 
 def test_an_slo_no_setting_meets_exits_1_saying_so(tmp_path, models_dir, capsys):

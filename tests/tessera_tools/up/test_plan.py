@@ -359,3 +359,13 @@ def test_a_batch_run_keeps_its_secret_for_the_next_one(tmp_path):
     path.write_bytes(b"short")  # not a valid secret
     kept_secret_file(path)
     assert InternalSecret.load(path) is not None
+
+
+def test_simulated_pods_take_the_profile_and_compute_in_no_dtype(tiny_llama):
+    options = LocalOptions(models_dir=tiny_llama.parent, cpus=(0, 1), simulate="engine_pod/sim/profiles/bench-cpu.json")
+    plan = build_plan(_example("local.yaml"), options, _ports())
+    for engine in plan.engines:
+        flags = _engine_flags(engine.args)
+        assert flags["--simulate"] == "engine_pod/sim/profiles/bench-cpu.json" and flags["--dtype"] == "auto"
+    real = build_plan(_example("local.yaml"), LocalOptions(models_dir=tiny_llama.parent, cpus=(0, 1)), _ports())
+    assert all("--simulate" not in e.args and _engine_flags(e.args)["--dtype"] == "float32" for e in real.engines)
