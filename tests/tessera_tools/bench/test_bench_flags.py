@@ -106,6 +106,15 @@ BAD = [
     ("pd", "--goodput", "itl:50"),
     ("pd", "--goodput", "ttft:0"),
     ("pd", "--min-uncached-tokens", "-1"),
+    ("pp", "--pipeline-parallel-size", "1"),
+    ("pp", "--num-requests", "0"),
+    ("pp", "--rounds", "0"),
+    ("pp", "--kv-cache-gib", "nan"),
+    ("latency", "--batch-size", "0"),
+    ("latency", "--input-len", "0"),
+    ("latency", "--num-iters", "0"),
+    ("latency", "--num-iters-warmup", "-1"),
+    ("latency", "--vocab-size", "5"),
 ]
 
 
