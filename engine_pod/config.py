@@ -422,7 +422,9 @@ def _check_device_count(device: torch.device, parallel: ParallelConfig) -> None:
         sizes = f"tensor_parallel_size={parallel.tensor_parallel_size}"
         if parallel.pipeline_parallel_size > 1:
             sizes = f"pipeline_parallel_size={parallel.pipeline_parallel_size} x {sizes}"
-        raise ValueError(f"{sizes} needs {parallel.world_size} CUDA devices; {torch.cuda.device_count()} visible")
+        where = f" on each of its {parallel.nodes.nnodes} nodes" if parallel.nodes.nnodes > 1 else ""
+        raise ValueError(f"{sizes} needs {parallel.local_world_size} CUDA devices{where}; "
+                         f"{torch.cuda.device_count()} visible")
 
 
 def _check_simulable(dtype, device: str | None, parallel: ParallelConfig,
@@ -485,6 +487,7 @@ def create_engine_config(
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size,
     pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size,
     worker_threads: int | None = ParallelConfig.worker_threads,
+    nodes: NodeLayout | None = None,
     speculative_config: SpeculativeConfig | dict | str | None = EngineConfig.speculative,
     enable_lora: bool = False,
     max_loras: int = LoRAConfig.max_loras,
@@ -496,7 +499,8 @@ def create_engine_config(
     torch), whose executor models step times (engine_pod/sim)."""
     path = Path(model)
     speculative = SpeculativeConfig.parse(speculative_config)
-    parallel = ParallelConfig(tensor_parallel_size, worker_threads, pipeline_parallel_size)
+    # The node layout before the device check: a pod of a multi-node group holds only its own ranks' GPUs.
+    parallel = ParallelConfig(tensor_parallel_size, worker_threads, pipeline_parallel_size, nodes or NodeLayout())
     arch = load_arch_config(path)
     parallel.validate_for(arch)
     lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None

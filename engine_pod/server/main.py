@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import gc
 import itertools
 import logging
@@ -320,8 +319,8 @@ def serve(args: argparse.Namespace) -> int:
     tls = ServerTLS.from_flags(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
     if tls is not None:
         tls.credentials()  # unreadable files fail before the model loads
-    config = create_engine_config(args.model, **engine_kwargs(args), simulate=args.simulate is not None)
-    config.parallel = dataclasses.replace(config.parallel, nodes=node_layout(args))
+    config = create_engine_config(args.model, **engine_kwargs(args), simulate=args.simulate is not None,
+                                  nodes=node_layout(args))
     if not config.parallel.nodes.is_leader:
         return _serve_node(args, config)
     if tls is not None:

@@ -109,3 +109,29 @@ def test_each_stage_holds_its_layers_and_the_stages_compose_to_the_model(request
         got = last.compute_logits(last(batch.input_ids, batch.positions, caches(2), batch.metadata, None, sent))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
+
+
+def test_a_pod_of_a_multi_node_group_needs_only_its_own_ranks_gpus(monkeypatch):
+    """PP=2 x TP=2 over two nodes: each pod holds 2 of the 4 ranks, so 2 visible GPUs suffice there;
+    on one node all 4 are needed."""
+    import torch
+
+    from engine_pod.config import NodeLayout, ParallelConfig, _check_device_count
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cuda = torch.device("cuda")
+    two_nodes = NodeLayout(nnodes=2, node_rank=1, master_addr="10.0.0.1")
+    _check_device_count(cuda, ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, nodes=two_nodes))
+    with pytest.raises(ValueError, match="needs 4 CUDA devices; 2 visible"):
+        _check_device_count(cuda, ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2))
+    with pytest.raises(ValueError, match="needs 2 CUDA devices on each of its 2 nodes; 1 visible"):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        _check_device_count(cuda, ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, nodes=two_nodes))
+
+
+def test_the_node_layout_reaches_the_engine_config(tiny_llama):
+    from engine_pod.config import NodeLayout, create_engine_config
+
+    layout = NodeLayout(nnodes=2, node_rank=1, master_addr="127.0.0.1")
+    config = create_engine_config(tiny_llama, pipeline_parallel_size=2, device="cpu", nodes=layout)
+    assert config.parallel.nodes == layout and config.parallel.local_world_size == 1
