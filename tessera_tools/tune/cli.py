@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tessera_tools.tune.knobs import KNOWN, Knob, check_mode, current, default_knobs, parse_knob
 from tessera_tools.tune.search import Trial, best_of, search
-from tessera_tools.tune.slo import SLO, parse_slo
+from tessera_tools.tune.slo import parse_slo
 
 
 def add_parser(sub) -> None:
@@ -79,7 +79,7 @@ def _requests(args: argparse.Namespace, model_path: Path):
     return synthetic_requests(tokenizer, args.num_prompts, args.max_prompt_len, args.max_output_len, args.seed)
 
 
-def _describe(trial: Trial, slos: list[SLO]) -> str:
+def _describe(trial: Trial) -> str:
     settings = ", ".join(f"{k}={v}" for k, v in trial.settings.items())
     if "error" in trial.detail:
         return f"{settings}: did not run ({trial.detail['error']})"
@@ -114,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="tessera-tune-") as work:
             trial = run_trial(resource, settings, workload, args.models_dir, Path(work), args.ready_timeout,
                               args.simulate)
-        print(f"[trial {count}] {_describe(trial, slos)}", flush=True)
+        print(f"[trial {count}] {_describe(trial)}", flush=True)
         return trial
 
     trials = search(knobs, start, evaluate)

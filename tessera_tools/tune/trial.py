@@ -107,7 +107,9 @@ def run_rates(base_url: str, workload: Workload) -> list[dict]:
 
 def trial_result(settings: dict[str, int], runs: list[dict]) -> Trial:
     held = [r for r in runs if not r["misses"]]
-    goodput = max(((r.get("request_goodput") or r["request_throughput"] or 0.0) for r in held), default=0.0)
+    # Goodput needs a per-request bound (ttft, tpot, e2el); SLOs on ITL alone bound every request's throughput.
+    key = "request_goodput" if held and "request_goodput" in held[0] else "request_throughput"
+    goodput = max((r[key] or 0.0 for r in held), default=0.0)
     return Trial(settings, goodput, bool(held), {"rates": runs})
 
 
