@@ -301,8 +301,9 @@ class ParallelConfig:
         """Worker processes (ranks) in all: PP x TP."""
         return self.pipeline_parallel_size * self.tensor_parallel_size
 
-    def check_features(self, kv_store: KVStoreConfig, lora: LoRAConfig | None) -> None:
-        """What pipeline parallelism does not support yet is refused, naming the flags."""
+    def check_features(self, kv_store: KVStoreConfig) -> None:
+        """What pipeline parallelism does not support yet is refused, naming the flags
+        (LoRA is supported: each stage holds its own layers' adapter slots)."""
         if self.pipeline_parallel_size == 1:
             return
         pp = f"pipeline_parallel_size={self.pipeline_parallel_size}"
@@ -312,9 +313,6 @@ class ParallelConfig:
                 "P/D KV transfer) is not supported with pipeline parallelism yet; each stage holds only its "
                 "layers' KV"
             )
-        if lora is not None:
-            raise ValueError(f"{pp}: enable_lora is not supported with pipeline parallelism yet (the adapters' "
-                             "slots are attached to every layer, and a stage holds only its own)")
 
     def validate_for(self, arch: ModelArchConfig) -> None:
         """Every rank must get an equal share of what the model splits, and
@@ -518,7 +516,7 @@ def create_engine_config(
     kv_store = KVStoreConfig(kv_host_bytes, kv_redis_url, kv_redis_ttl, kv_redis_cluster, kv_write_queue_size,
                              kv_redis_key_prefix, kv_redis_ca_file, kv_redis_cert_file, kv_redis_key_file,
                              kv_redis_timeout, kv_mac_key, kv_inbox_bytes, kv_direct_timeout_s)
-    parallel.check_features(kv_store, lora)
+    parallel.check_features(kv_store)
     try:
         policy = SchedulingPolicy(scheduling_policy)
     except ValueError:

@@ -1,16 +1,22 @@
 """Adapter slots on the model's projections, sharded like the base weights.
 
-``attach_lora`` gives every q/k/v, o, gate/up and down projection layer a
-``LinearLoRA``: for each checkpoint projection inside it (q, k and v share
-one merged GEMM) ``max_loras`` slots of A [max_rank, in] and B [out,
-max_rank]. One ``LoRAContext`` per model holds the slots' ranks and
-scalings and the step's row-to-slot mapping, which every projection reads.
+``attach_lora`` gives every q/k/v, o, gate/up and down projection layer (of
+the rank's pipeline stage) a ``LinearLoRA``: for each checkpoint projection
+inside it (q, k and v share one merged GEMM) ``max_loras`` slots of A
+[max_rank, in] and B [out, max_rank]. One ``LoRAContext`` per model holds
+the slots' ranks and scalings and the step's row-to-slot mapping, which
+every projection reads.
 
 The slots are laid out for the path that reads them (punica.py): on CPU the
 A of a layer's projections in one tensor [projections, slots, max_rank, in]
 (one GEMM shrinks the shared input for all of them) and each B scaled, as
 [out, slots, max_rank], in the model's dtype; for Triton A [slots, max_rank,
 in] and B [slots, out, max_rank] unscaled, in float32.
+
+Under pipeline parallelism a stage attaches slots to its own decoder layers
+only (``stage_layers``), so it holds no other stage's factors, and installing
+an adapter writes the factors of those layers (by global layer index) and
+skips the rest.
 
 Under tensor parallelism each rank holds its share, so the update needs no
 communication of its own:
@@ -211,7 +217,7 @@ class ModelLoRA:
 def attach_lora(
     model: nn.Module, config: LoRAConfig, model_dtype: torch.dtype, device: torch.device, use_triton: bool = False
 ) -> ModelLoRA:
-    """Give every projection of ``model`` (a LlamaForCausalLM) its slots;
+    """Give every projection of ``model``'s stage (a LlamaForCausalLM) its slots;
     ``use_triton``: the products run as Triton kernels (the engine's
     attention does too: on GPU, or interpreted in tests)."""
     from engine_pod.lora.adapter import lora_compute_dtype
@@ -220,8 +226,10 @@ def attach_lora(
     ctx = LoRAContext(config, dtype, device, use_triton)
     hidden = model.config.hidden_size
     layers = []
-    for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
+    # This pipeline stage's layers only (the others are weightless placeholders); each keeps its
+    # global index, the one an adapter's factors are keyed by.
+    for i in model.model.stage_layers:
+        attn, mlp = model.model.layers[i].self_attn, model.model.layers[i].mlp
         attn.qkv_proj.lora = _column_parallel(ctx, i, attn.qkv_proj, hidden)
         attn.o_proj.lora = _row_parallel(ctx, i, attn.o_proj, "o_proj", hidden)
         mlp.gate_up_proj.lora = _column_parallel(ctx, i, mlp.gate_up_proj, hidden)

@@ -64,13 +64,12 @@ def uses_pipeline(spec: dict) -> bool:
 
 _USES_PP = uses_pipeline_cel("self")
 # On the spec: what the engine refuses under pipeline parallelism for now (engine_pod/config.py
-# ParallelConfig.check_features: the KV store, P/D KV transfer and LoRA).
+# ParallelConfig.check_features: the KV store and P/D KV transfer; LoRA runs, each stage holding its layers').
 PIPELINE_RULE = (f"!({_USES_PP}) || (self.mode == 'mixed' && !has(self.kvStore.redis) && "
-                 f"string(self.kvStore.hostMemory).matches('{ZERO_QUANTITY_PATTERN}') && "
-                 "!has(self.engine.lora) && (!has(self.loras) || size(self.loras) == 0))")
-PIPELINE_MESSAGE = ("pipelineParallelSize above 1 (engine or pools) needs mode mixed, no kvStore.redis, "
-                    "kvStore.hostMemory 0 and no LoRA (loras, engine.lora): the engine does not support them "
-                    "with pipeline parallelism yet")
+                 f"string(self.kvStore.hostMemory).matches('{ZERO_QUANTITY_PATTERN}'))")
+PIPELINE_MESSAGE = ("pipelineParallelSize above 1 (engine or pools) needs mode mixed, no kvStore.redis and "
+                    "kvStore.hostMemory 0: the engine does not support the KV store (nor P/D transfer) with pipeline "
+                    "parallelism yet")
 
 
 def engine_schema() -> Schema:
@@ -81,7 +80,7 @@ def engine_schema() -> Schema:
             "Pipeline stages one engine spans (pipeline parallelism: the model's layers split across stages). "
             "Above 1 each engine replica is a LeaderWorkerSet group of this many pods, one stage each with "
             "tensorParallelSize GPUs; the leader (stage 0) serves gRPC. Needs the LeaderWorkerSet controller "
-            "in the cluster, mode mixed, no KV store and no LoRA.",
+            "in the cluster, mode mixed and no KV store.",
             default=1, minimum=1, maximum=MAX_PIPELINE_PARALLEL_SIZE),
         "blockSize": integer("Tokens per KV block; the gateway hashes prompts in blocks of the same size.",
                              default=DEFAULT_BLOCK_SIZE, minimum=1, maximum=256),

@@ -77,8 +77,7 @@ def _pipeline_ok(spec: dict) -> bool:
     if not crd_engine.uses_pipeline(spec):
         return True
     return (spec["mode"] == "mixed" and "redis" not in spec["kvStore"]
-            and pattern_matches(crd_engine.ZERO_QUANTITY_PATTERN, str(spec["kvStore"]["hostMemory"]))
-            and "lora" not in spec["engine"] and not spec.get("loras"))
+            and pattern_matches(crd_engine.ZERO_QUANTITY_PATTERN, str(spec["kvStore"]["hostMemory"])))
 
 
 def validate_inference_service(obj: dict) -> dict:

@@ -238,13 +238,32 @@ def test_the_group_admits_itself_on_every_tcp_port_and_nobody_else(objects):
 @pytest.mark.parametrize("change", [
     {**PP2, "kvStore": {"redis": {"urlSecretRef": {"name": "r"}}}},
     {**PP2, "kvStore": {"hostMemory": "8Gi"}},
-    {**PP2, "loras": [{"name": "sql", "pvc": {"claimName": "models", "path": "sql"}}]},
     {"mode": "disaggregated", "kvStore": {"redis": {"urlSecretRef": {"name": "r"}}},
      "pools": {"prefill": {"pipelineParallelSize": 2}}},
 ])
 def test_what_the_engine_refuses_under_pp_is_refused_up_front(change):
     with pytest.raises(InvalidInferenceService, match="pipelineParallelSize above 1"):
         validate_inference_service(make_isvc(change))
+
+
+def test_loras_under_pp_are_accepted_and_every_pod_of_the_group_parses_the_lora_flags(tmp_path, monkeypatch):
+    """LoRA runs under pipeline parallelism: the leader (the engine core) reads the adapters and
+    sends them to every stage with the step, each stage writing its own layers' factors."""
+    from engine_pod.server import main
+
+    from .test_loras import LORA_SPEC, lora_modules
+
+    secret = tmp_path / "secret"
+    secret.write_text("x" * 64)
+    monkeypatch.setenv("TESSERA_INTERNAL_SECRET_FILE", str(secret))
+    spec = {**LORA_SPEC, "engine": {**LORA_SPEC["engine"], "pipelineParallelSize": 2}}
+    leader, worker = templates(lws_of(desired_objects(make_isvc(spec))))
+    parser = _engine_parser()
+    for template in (leader, worker):
+        args = expand(engine(template)["args"], SAMPLE_ENV)
+        main._validate(parser.parse_args(args))
+        assert "--enable-lora" in args and flag(args, "--max-loras") == "4"
+    assert lora_modules(engine(leader)["args"])[0] == "sql=/models/adapters/sql"
 
 
 def test_ready_follows_the_leader_worker_sets_ready_groups():

@@ -52,7 +52,6 @@ def test_more_stages_than_layers_names_both_numbers(tiny_llama):
 
 @pytest.mark.parametrize("kwargs, names", [
     (dict(kv_host_bytes=1 << 20), ["kv_host_bytes", "kv_redis_url", "kv_inbox_bytes"]),
-    (dict(enable_lora=True), ["enable_lora"]),
     (dict(simulate=True), ["simulated"]),
 ])
 def test_what_pipeline_parallelism_cannot_do_yet_is_refused(tiny_llama, kwargs, names):
