@@ -273,7 +273,8 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     """Pipeline stages the decoder layers are split across (vLLM's split:
     equal shares, the remainder one each to the stages before the last),
-    each stage tensor_parallel_size ranks; one batch in flight at a time."""
+    each stage tensor_parallel_size ranks; up to one step per stage in
+    flight (engine_core.EngineCore._step_pipelined)."""
     nodes: NodeLayout = field(default_factory=NodeLayout)
     """The processes (pods) the ranks span; one by default (``--nnodes``)."""
 
@@ -300,19 +301,6 @@ class ParallelConfig:
     def world_size(self) -> int:
         """Worker processes (ranks) in all: PP x TP."""
         return self.pipeline_parallel_size * self.tensor_parallel_size
-
-    def check_features(self, kv_store: KVStoreConfig) -> None:
-        """What pipeline parallelism does not support yet is refused, naming the flags
-        (LoRA is supported: each stage holds its own layers' adapter slots)."""
-        if self.pipeline_parallel_size == 1:
-            return
-        pp = f"pipeline_parallel_size={self.pipeline_parallel_size}"
-        if kv_store.enabled:
-            raise ValueError(
-                f"{pp}: the KV store (kv_host_bytes, kv_redis_url, kv_inbox_bytes: host memory, Redis and "
-                "P/D KV transfer) is not supported with pipeline parallelism yet; each stage holds only its "
-                "layers' KV"
-            )
 
     def validate_for(self, arch: ModelArchConfig) -> None:
         """Every rank must get an equal share of what the model splits, and
@@ -516,7 +504,6 @@ def create_engine_config(
     kv_store = KVStoreConfig(kv_host_bytes, kv_redis_url, kv_redis_ttl, kv_redis_cluster, kv_write_queue_size,
                              kv_redis_key_prefix, kv_redis_ca_file, kv_redis_cert_file, kv_redis_key_file,
                              kv_redis_timeout, kv_mac_key, kv_inbox_bytes, kv_direct_timeout_s)
-    parallel.check_features(kv_store)
     try:
         policy = SchedulingPolicy(scheduling_policy)
     except ValueError:

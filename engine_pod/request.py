@@ -60,6 +60,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Its tokens the model runners have been sent (core/output_builder.py): the
+    # prompt with the request, later tokens as it is scheduled again.
+    num_tokens_sent: int = 0
+    # Steps scheduled with it whose output the scheduler has not applied yet
+    # (above 1 only under pipeline parallelism, where steps overlap).
+    num_steps_in_flight: int = 0
     # Direct producers: leading blocks queued for the decode pod so far.
     num_kv_blocks_pushed: int = 0
     # Prompt tokens served from the prefix cache when first scheduled (-1: not yet).

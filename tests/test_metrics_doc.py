@@ -19,9 +19,11 @@ from engine_pod.server.metrics import (
     InFlightCollector,
     KVStoreCollector,
     LoRACollector,
+    PipelineStageCollector,
     StructuredOutputCollector,
 )
 from engine_pod.structured_output.manager import StructuredOutputStats
+from engine_pod.worker.stage_timing import StageTiming
 from gateway.metrics import GatewayMetrics
 from kv_store.tiered_store import KVStoreStats
 
@@ -62,6 +64,8 @@ def engine_scrape() -> str:
     r.register(LoRACollector(adapters, SimpleNamespace(resident_ids=frozenset({1}), load_seconds={"sql": 0.1}),
                              "tiny"))
     r.register(InFlightCollector(InFlightSeconds(), "tiny"))
+    stages = [StageTiming(stage, 0, 3, 0.2, 0.1 * stage) for stage in range(2)]
+    r.register(PipelineStageCollector(SimpleNamespace(stage_timings=lambda: stages), "tiny"))
     # Families with per-adapter children show only once an adapter was used.
     metrics.on_lora_request("sql")
     metrics.on_lora_tokens("sql", 1)

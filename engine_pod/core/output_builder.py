@@ -25,19 +25,16 @@ def build_scheduler_output(
 ) -> SchedulerOutput:
     """``scheduled_new`` were admitted from the waiting queue this step (fresh
     or resumed after preemption), ``scheduled_running`` were running already
-    and got ``new_blocks``; ``num_scheduled`` is every request's token count."""
+    and got ``new_blocks``; ``num_scheduled`` is every request's token count.
+    Every scheduled request's tokens reach the runners once: a new one's
+    prompt, a held one's tokens since it was last scheduled."""
     new_reqs: list[NewRequestData] = []
     cached_reqs: list[CachedRequestData] = []
     for request in scheduled_new:
         if request.num_preemptions:
             # Resumed after preemption: the runner still holds its state
             # (tokens, sampling generator); it gets a fresh block table.
-            cached_reqs.append(
-                CachedRequestData(
-                    request.request_id, kv.get_block_ids(request.request_id),
-                    request.num_computed_tokens, request.num_prompt_tokens, resumed_from_preemption=True,
-                )
-            )
+            cached_reqs.append(_held_request(request, kv.get_block_ids(request.request_id), resumed=True))
         else:
             new_reqs.append(
                 NewRequestData(
@@ -45,13 +42,9 @@ def build_scheduler_output(
                     kv.get_block_ids(request.request_id), request.num_computed_tokens,
                 )
             )
+            request.num_tokens_sent = request.num_prompt_tokens
     for request in scheduled_running:
-        cached_reqs.append(
-            CachedRequestData(
-                request.request_id, new_blocks[request.request_id], request.num_computed_tokens,
-                request.num_prompt_tokens,
-            )
-        )
+        cached_reqs.append(_held_request(request, new_blocks[request.request_id], resumed=False))
     return SchedulerOutput(
         scheduled_new_reqs=new_reqs,
         scheduled_cached_reqs=cached_reqs,
@@ -61,3 +54,14 @@ def build_scheduler_output(
         preempted_req_ids={r.request_id for r in preempted},
         kv_connector=kv_connector,
     )
+
+
+def _held_request(request: Request, block_ids: list[int], resumed: bool) -> CachedRequestData:
+    """A request the runners hold, with the tokens they were not sent yet."""
+    sent = request.num_tokens_sent
+    data = CachedRequestData(
+        request.request_id, block_ids, request.num_computed_tokens, request.num_prompt_tokens,
+        resumed_from_preemption=resumed, new_token_ids=request.all_token_ids[sent:], new_token_index=sent,
+    )
+    request.num_tokens_sent = request.num_tokens
+    return data

@@ -59,7 +59,9 @@ class Scheduler:
     schedules at most max_num_batched_tokens tokens over at most
     max_num_seqs running requests, and never takes a request past
     max_model_len; schedule() advances num_computed_tokens by what it
-    scheduled (update_from_output rolls back rejected drafts); a finished or
+    scheduled (update_from_output rolls back rejected drafts), so a request
+    whose step is in flight (pipeline parallelism) is not scheduled again
+    until its output is applied (only a prompt's next chunk is); a finished or
     aborted request is freed at once and its id reaches the runner in the
     next SchedulerOutput.
     """
@@ -240,7 +242,11 @@ class Scheduler:
         self.waiting_for_fsm = still_compiling
 
     # -- scheduling -------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """The next step. ``max_seqs``: at most this many requests in it (the
+        engine's share per step when steps overlap, so the stages' steps hold
+        even shares of the requests; None: max_num_seqs alone bounds it)."""
+        step_seqs = max_seqs if max_seqs is not None else self.config.max_num_seqs
         if self.waiting_for_lora:
             self._admit_loaded_adapters()
         if self.waiting_for_fsm:
@@ -254,7 +260,7 @@ class Scheduler:
         self.background.start_step(self.running, self.waiting.peek() if len(self.waiting) else None)
 
         idx = 0
-        while idx < len(self.running) and budget > 0:
+        while idx < len(self.running) and budget > 0 and len(num_scheduled) < step_seqs:
             request = self.running[idx]
             limit = self.background.limit(request, budget)
             num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, limit)
@@ -305,7 +311,8 @@ class Scheduler:
         # After a preemption the pool is under pressure: admitting waiting
         # requests would only cause more preemptions.
         if not preempted:
-            budget = self._schedule_waiting(budget, num_scheduled, scheduled_new, scheduled_running, preempted)
+            budget = self._schedule_waiting(budget, num_scheduled, scheduled_new, scheduled_running, preempted,
+                                            step_seqs)
 
         output = build_scheduler_output(
             self.kv_cache_manager, scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted,
@@ -322,6 +329,7 @@ class Scheduler:
             )
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
+            self.requests[req_id].num_steps_in_flight += 1
         self.finished_req_ids = set()
         return output
 
@@ -361,17 +369,22 @@ class Scheduler:
 
     def _schedule_waiting(
         self, budget: int, num_scheduled: dict[str, int], scheduled_new: list[Request],
-        scheduled_running: list[Request], preempted: list[Request],
+        scheduled_running: list[Request], preempted: list[Request], step_seqs: int,
     ) -> int:
         # Requests passed over because their adapter would need one slot too
-        # many; they keep their place in the queue.
+        # many, or a step of theirs is still in flight; they keep their place in the queue.
         skipped: list[Request] = []
-        while len(self.waiting) and budget > 0:
+        while len(self.waiting) and budget > 0 and len(num_scheduled) < step_seqs:
             request = self.waiting.peek()
             if len(self.running) >= self.config.max_num_seqs and not self._preempt_background_for(
                     request, scheduled_running, preempted):
                 break
             if self.lora_slots is not None and not self.lora_slots.fits(request, self.running):
+                skipped.append(self.waiting.pop())
+                continue
+            if request.num_steps_in_flight:
+                # Preempted while a step of it is still in flight: resumed once that step's
+                # tokens are in, or it would compute (and sample) their positions twice.
                 skipped.append(self.waiting.pop())
                 continue
             hits: list[KVCacheBlock] = []
@@ -456,11 +469,17 @@ class Scheduler:
         self._failed_to_start = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
+            if request is not None:
+                request.num_steps_in_flight -= 1
             sampled = runner_output.sampled_token_ids.get(req_id)
             if request is None or request.is_finished or not sampled:
                 continue  # aborted meanwhile, or a prefill chunk short of the end
-            self._roll_back_rejected(request, scheduler_output.scheduled_spec_decode_tokens.get(req_id), sampled)
-            request.spec_token_ids = runner_output.draft_token_ids.get(req_id, [])
+            if request.status == RequestStatus.RUNNING:
+                self._roll_back_rejected(request, scheduler_output.scheduled_spec_decode_tokens.get(req_id), sampled)
+                request.spec_token_ids = runner_output.draft_token_ids.get(req_id, [])
+            # Otherwise a later step preempted it while this one was in flight (pipeline
+            # parallelism): its tokens were sampled from its whole context, so they stand
+            # (the sampling rank holds them too); it recomputes from scratch when resumed.
             sampled, status, stop_reason = append_until_stop(
                 request, sampled, self.config.max_model_len, self.structured_output
             )
@@ -470,9 +489,12 @@ class Scheduler:
                 num_cached_tokens=cached, first_scheduled_time=request.first_scheduled_time,
             )
             if status is not None:
+                if request.status == RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
                 request.status = status
                 request.stop_reason = stop_reason
-                self.running.remove(request)
                 self._free_request(request)
                 out.finish_reason = status.finish_reason
                 out.stop_reason = stop_reason

@@ -32,6 +32,11 @@ class CachedRequestData:
     # The prompt's length (the runner knows it; the step-time model of a simulated pod reads it).
     num_prompt_tokens: int
     resumed_from_preemption: bool = False
+    # The request's tokens from index ``new_token_index`` on that no SchedulerOutput carried before
+    # (its outputs so far): a rank that does not sample appends those it lacks, so its next inputs are
+    # right without waiting for the sampling rank (pipeline stages keep several steps in flight).
+    new_token_ids: list[int] = field(default_factory=list)
+    new_token_index: int = 0
 
 
 @dataclass

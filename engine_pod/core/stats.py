@@ -61,6 +61,11 @@ class SchedulerStats:
     # Prompt tokens loaded from the KV store instead of computed.
     external_prefix_hits: int = 0
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    # Model steps whose output this engine step applied: 1, or under pipeline parallelism 0 when it
+    # only submitted one.
+    steps_done: int = 1
+    # Steps submitted and not yet applied after it (above 0 only under pipeline parallelism).
+    steps_in_flight: int = 0
 
 
 @dataclass
@@ -75,9 +80,12 @@ class EngineTotals:
     max_kv_waste_per_request: float = 0.0
     external_prefix_hits: int = 0
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    # The most steps ever in flight at once, counting one being submitted (pipeline parallelism).
+    max_steps_in_flight: int = 0
 
     def add(self, stats: SchedulerStats) -> None:
-        self.steps += 1
+        self.steps += stats.steps_done
+        self.max_steps_in_flight = max(self.max_steps_in_flight, stats.steps_in_flight + stats.steps_done)
         self.prefix_cache_queries += stats.prefix_cache_queries
         self.prefix_cache_hits += stats.prefix_cache_hits
         self.num_preemptions += stats.num_preemptions

@@ -30,6 +30,9 @@ and sampling parameters; the NetworkPolicy keeps other pods off the port).
 Liveness: each side sends a heartbeat frame every ``HEARTBEAT_SECONDS`` and
 gives the peer up after ``PEER_TIMEOUT_SECONDS`` of silence (a closed
 connection is noticed at once), so a lost node fails the group in seconds.
+A node's heartbeats also carry its status (its ranks' pipeline-stage figures,
+for the leader's metrics), at least once a second even while calls keep the
+link busy; the leader keeps the latest one it verified (``NodeLink.peer_status``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from engine_pod.distributed.join_stop import JoinStopped
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"TSRGRP01"
@@ -57,6 +62,8 @@ HEARTBEAT_SECONDS = 1.0
 PEER_TIMEOUT_SECONDS = 5.0
 # The handshake of one connection must finish this soon (a real node answers at once).
 HANDSHAKE_TIMEOUT_SECONDS = 5.0
+# A node dials again this soon after a leader that is not listening yet or closed the connection.
+DIAL_RETRY_SECONDS = 0.2
 # A frame larger than this is refused before it is read (calls are kilobytes; KV loads megabytes).
 MAX_FRAME_BYTES = 1 << 30
 _FRAME = struct.Struct("!IB")
@@ -105,8 +112,9 @@ class NodeChannel:
     def send(self, obj: object) -> None:
         self._send_frame(_MESSAGE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
-    def send_heartbeat(self) -> None:
-        self._send_frame(_HEARTBEAT, b"")
+    def send_heartbeat(self, status: object = None) -> None:
+        """A heartbeat, carrying ``status`` (None: nothing) for the peer's NodeLink.peer_status."""
+        self._send_frame(_HEARTBEAT, b"" if status is None else pickle.dumps(status, protocol=pickle.HIGHEST_PROTOCOL))
 
     def _send_frame(self, kind: int, payload: bytes) -> None:
         with self._send_lock:
@@ -118,8 +126,9 @@ class NodeChannel:
                 raise ChannelError(f"sending to {self.peer} failed: {e}") from None
             self.last_sent = time.monotonic()
 
-    def recv_payload(self) -> bytes | None:
-        """The next message's verified bytes (None: a heartbeat). Raises
+    def recv_frame(self) -> tuple[bool, bytes]:
+        """The next frame, verified: (whether it is a heartbeat, its payload:
+        a message's, or a heartbeat's status, empty for none). Raises
         ChannelError on silence past PEER_TIMEOUT_SECONDS, a closed
         connection or a frame whose MAC does not check out."""
         try:
@@ -138,7 +147,12 @@ class NodeChannel:
         if not hmac.compare_digest(mac, expected):
             raise ChannelError(f"{self.peer} sent a frame that failed authentication; dropped")
         self._recv_seq += 1
-        return payload if kind == _MESSAGE else None
+        return kind == _HEARTBEAT, payload
+
+    def recv_payload(self) -> bytes | None:
+        """The next message's verified bytes (None: a heartbeat)."""
+        heartbeat, payload = self.recv_frame()
+        return None if heartbeat else payload
 
     def close(self) -> None:
         try:
@@ -155,10 +169,15 @@ class NodeLink:
     an empty message, ``lost`` says why and ``on_lost`` (if set) is called;
     not after ``close()``."""
 
-    def __init__(self, channel: NodeChannel, on_lost: Callable[[str], None] | None = None) -> None:
+    def __init__(self, channel: NodeChannel, on_lost: Callable[[str], None] | None = None,
+                 status: Callable[[], object] | None = None) -> None:
+        """``status``: what this side's heartbeats carry (a node: its ranks' stage figures)."""
         self.channel = channel
         self.on_lost = on_lost
         self.lost: str | None = None
+        self.status = status
+        self.peer_status: object = None
+        """The latest status the peer's heartbeats carried (verified, then unpickled); None: none yet."""
         self._closing = threading.Event()
         self.inbox, self._inbox_writer = mp.Pipe(duplex=False)
         self._threads = [threading.Thread(target=self._read_loop, name=f"node-link-read-{channel.peer}", daemon=True),
@@ -171,6 +190,12 @@ class NodeLink:
         if self.lost is not None:
             raise ChannelError(self.lost)
         self.channel.send(obj)
+
+    def send_last(self, obj: object) -> None:
+        """Send the link's last message (the group's shutdown): the peer closing
+        the connection after it is then expected, not a lost peer."""
+        self._closing.set()
+        self.send(obj)
 
     def receive(self) -> Any:
         """The next message from the inbox (call when it is readable); ChannelError once the peer is lost."""
@@ -185,20 +210,27 @@ class NodeLink:
     def _read_loop(self) -> None:
         try:
             while True:
-                payload = self.channel.recv_payload()
-                if payload is not None:
+                heartbeat, payload = self.channel.recv_frame()
+                if not heartbeat:
                     self._inbox_writer.send_bytes(payload)
+                elif payload:
+                    self.peer_status = pickle.loads(payload)
         except Exception as e:  # noqa: BLE001 - any end of the connection is a lost peer
             self._lose(str(e) if isinstance(e, ChannelError) else f"{self.channel.peer}: {e!r}")
 
     def _heartbeat_loop(self) -> None:
+        last_status = 0.0
         while not self._closing.wait(HEARTBEAT_SECONDS / 4):
-            if time.monotonic() - self.channel.last_sent >= HEARTBEAT_SECONDS:
+            now = time.monotonic()
+            # A status goes out every second even while calls keep the link busy (they are no heartbeat).
+            with_status = self.status is not None and now - last_status >= HEARTBEAT_SECONDS
+            if with_status or now - self.channel.last_sent >= HEARTBEAT_SECONDS:
                 try:
-                    self.channel.send_heartbeat()
+                    self.channel.send_heartbeat(self.status() if with_status else None)
                 except ChannelError as e:
                     self._lose(str(e))
                     return
+                last_status = now if with_status else last_status
 
     def _lose(self, message: str) -> None:
         if self._closing.is_set() or self.lost is not None:
@@ -257,22 +289,29 @@ def accept_node(sock: socket.socket, peer: str, key: bytes) -> tuple[int, NodeCh
     return node_rank, NodeChannel(sock, session_key, is_leader=True, peer=f"node {node_rank} ({peer})")
 
 
-def connect_to_leader(address: tuple[str, int], node_rank: int, key: bytes, deadline: float) -> NodeChannel:
-    """A node's side: dial the leader (retrying until ``deadline``: it may
-    start later) and authenticate both ways."""
-    last_error: Exception | None = None
-    while True:
-        try:
-            sock = socket.create_connection(address, timeout=HANDSHAKE_TIMEOUT_SECONDS)
-            break
-        except OSError as e:
-            last_error = e
-            if time.monotonic() >= deadline:
-                raise ChannelError(f"cannot reach the leader at {address[0]}:{address[1]}: {last_error}") from None
-            time.sleep(0.2)
+def connect_to_leader(address: tuple[str, int], node_rank: int, key: bytes, deadline: float,
+                      stop: threading.Event | None = None) -> NodeChannel:
+    """A node's side: dial the leader and authenticate both ways. Until
+    ``deadline`` it dials again after a leader that is not listening yet (it
+    may start later) or that closes the connection before its greeting (all
+    its handshake slots taken, executor/node_acceptor.py). Raises
+    JoinStopped once ``stop`` is set while it waits (SIGTERM), ChannelError
+    when the leader stays out of reach or the handshake fails."""
     where = f"the leader at {address[0]}:{address[1]}"
+    while True:
+        if stop is not None and stop.is_set():
+            raise JoinStopped(f"asked to stop while waiting for {where}")
+        try:
+            sock, greeting = _dial(address)
+            break
+        except (OSError, ChannelError) as e:
+            if time.monotonic() >= deadline:
+                raise ChannelError(f"cannot reach {where}: {e}") from None
+            if stop is not None:
+                stop.wait(DIAL_RETRY_SECONDS)
+            else:
+                time.sleep(DIAL_RETRY_SECONDS)
     try:
-        greeting = _recv_exact(sock, len(MAGIC) + NONCE_BYTES)
         if greeting[: len(MAGIC)] != MAGIC:
             raise ChannelError(f"{where} does not speak the engine group protocol")
         leader_nonce = greeting[len(MAGIC) :]
@@ -289,6 +328,18 @@ def connect_to_leader(address: tuple[str, int], node_rank: int, key: bytes, dead
         sock.close()
         raise ChannelError(str(e) if isinstance(e, ChannelError) else f"{where}: {e}") from None
     return NodeChannel(sock, session_key, is_leader=False, peer="the leader")
+
+
+def _dial(address: tuple[str, int]) -> tuple[socket.socket, bytes]:
+    """A connection to the leader and its greeting (magic and nonce); raises OSError or ChannelError."""
+    sock = socket.create_connection(address, timeout=HANDSHAKE_TIMEOUT_SECONDS)
+    try:
+        return sock, _recv_exact(sock, len(MAGIC) + NONCE_BYTES)
+    except (OSError, ChannelError) as e:
+        sock.close()
+        if isinstance(e, ChannelError):
+            raise ChannelError("it closed the connection before its greeting") from None
+        raise
 
 
 def listen(port: int) -> socket.socket:

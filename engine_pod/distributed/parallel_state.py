@@ -9,8 +9,10 @@ does: global rank = stage * tp_size + tp_rank. A stage's TP collectives run
 on its own subgroup (``torch.distributed.new_group``, created by every rank in
 the same order); at PP=1 the TP group is the default (world) group, as it
 always was. Between stages, rank (s, t) sends its hidden states to rank
-(s + 1, t) point to point; the sampled tokens go from the last stage's first
-rank (the one that samples) to every rank over the world group.
+(s + 1, t) point to point. The sampled tokens travel no collective: the last
+stage's first rank (the one that samples) returns them to the engine, and the
+other ranks get them with the next step that needs them (the scheduler's
+CachedRequestData.new_token_ids).
 """
 
 from __future__ import annotations
@@ -60,12 +62,6 @@ class TensorParallelGroup:
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_first else None
         dist.gather(x, parts, dst=self.first_global_rank, group=self.process_group)
         return torch.cat(parts, dim=-1) if self.is_first else None
-
-    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0's tensor on every rank (the sampled token ids)."""
-        if self.world_size > 1:
-            dist.broadcast(x, src=self.first_global_rank, group=self.process_group)
-        return x
 
 
 def sampler_rank(world_size: int, pp_size: int) -> int:
@@ -119,12 +115,6 @@ class PipelineGroup:
             dist.recv(x, src=self.rank - self.tp_size)
             out.append(x)
         return out
-
-    def broadcast_from_sampler(self, x: torch.Tensor) -> torch.Tensor:
-        """The sampling rank's tensor on every rank of every stage (the emitted tokens)."""
-        if self.world_size > 1:
-            dist.broadcast(x, src=self.sampler_rank)
-        return x
 
 
 def single_rank_group(device: torch.device) -> TensorParallelGroup:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -12,7 +13,7 @@ from engine_pod.core.kv_cache_manager import KVCacheManager
 from engine_pod.core.kv_connector import KVConnectorScheduler
 from engine_pod.core.prefix_cache_keys import PrefixCacheKeyLog
 from engine_pod.core.scheduler import Scheduler
-from engine_pod.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+from engine_pod.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from engine_pod.core.stats import EngineTotals, SchedulerStats
 from engine_pod.engine.kv_store_factory import build_kv_store
 from engine_pod.executor import Executor, create_executor
@@ -31,7 +32,8 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.01
 
 # Called after each non-empty step's forward with the step's SchedulerOutput
-# and the seconds spent in the executor (`tessera bench profile` fits step times on it).
+# and the seconds spent in the executor (`tessera bench profile` fits step times on it);
+# not under pipeline parallelism, where steps overlap.
 StepObserver = Callable[[SchedulerOutput, float], None]
 
 
@@ -60,6 +62,8 @@ class EngineCore:
         self.tokenizer_path = tokenizer_path or str(config.model.path)
         self.executor = executor or create_executor(config)
         self.step_observer: StepObserver | None = None
+        # Steps submitted to the executor and not yet taken, oldest first (pipeline parallelism).
+        self._in_flight: collections.deque[SchedulerOutput] = collections.deque()
         self.kv_store = None
         try:
             self._start(config)
@@ -138,41 +142,94 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one engine step; returns the progress of every request that moved."""
+        if self.executor.max_concurrent_batches > 1:
+            return self._step_pipelined()
         if not self.scheduler.has_unfinished_requests():
             return []
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.lora_loads:
-            assert self.lora_loader is not None
-            scheduler_output.lora_weights = {
-                slot: self.lora_loader.get(lora_id) for slot, lora_id in scheduler_output.lora_loads.items()
-            }
+        scheduler_output = self._schedule()
         if self.step_observer is None or scheduler_output.is_empty:
             runner_output = self.executor.execute_model(scheduler_output)
         else:
             start = time.perf_counter()
             runner_output = self.executor.execute_model(scheduler_output)
             self.step_observer(scheduler_output, time.perf_counter() - start)
+        outputs = self._update(scheduler_output, runner_output)
+        if scheduler_output.is_empty and not scheduler_output.preempted_req_ids:
+            self._wait_while_stalled()
+        return outputs
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """One step of an engine whose stages work on different steps at once
+        (pipeline parallelism): schedule and submit a step while fewer than
+        one per stage are in flight; take the oldest one's output when the
+        pipeline is full or nothing more can be scheduled. The requests of a
+        step in flight are not scheduled again until its output is taken
+        (their next token is not known), so each step holds other requests,
+        or the next chunk of a prompt (its tokens are known).
+
+        Returns [] after submitting only: the caller's loop takes in new
+        requests and aborts, then calls again. Each step takes at most 1/P of
+        the unfinished requests, so the P steps in flight hold even shares: a
+        first step holding every request would leave the others nothing to
+        overlap with."""
+        submitted = False
+        stages = self.executor.max_concurrent_batches
+        if len(self._in_flight) < stages and self.scheduler.has_unfinished_requests():
+            # Each step takes at most its share of the requests: one step holding them all would
+            # leave the next with nothing, and the stages would take turns again.
+            scheduler_output = self._schedule(max_seqs=-(-len(self.scheduler.requests) // stages))
+            if not scheduler_output.is_empty or scheduler_output.finished_req_ids \
+                    or scheduler_output.preempted_req_ids:
+                # An empty step still tells the runners which requests ended.
+                self.executor.submit_model(scheduler_output)
+                self._in_flight.append(scheduler_output)
+                submitted = not scheduler_output.is_empty
+        if self._in_flight and (not submitted or len(self._in_flight) >= stages):
+            scheduler_output = self._in_flight.popleft()
+            return self._update(scheduler_output, self.executor.take_model_output())
+        self._record_stats(steps_done=0)
+        if not self._in_flight:
+            self._wait_while_stalled()
+        return []
+
+    def _schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule(max_seqs)
+        if scheduler_output.lora_loads:
+            assert self.lora_loader is not None
+            scheduler_output.lora_weights = {
+                slot: self.lora_loader.get(lora_id) for slot, lora_id in scheduler_output.lora_loads.items()
+            }
+        return scheduler_output
+
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._record_stats()
+        return outputs
+
+    def _record_stats(self, steps_done: int = 1) -> None:
+        # Every step() call publishes the stats since the last one (the pod's metrics add them up).
         self.last_stats = self.scheduler.make_stats()
+        self.last_stats.steps_done = steps_done
+        self.last_stats.steps_in_flight = len(self._in_flight)
         self.totals.add(self.last_stats)
-        stalled = scheduler_output.is_empty and not scheduler_output.preempted_req_ids
-        if stalled and self.scheduler.waiting_for_fsm:
+
+    def _wait_while_stalled(self) -> None:
+        """Nothing could be scheduled and nothing is in flight: wait a little
+        for a grammar compile or an adapter read; anything else is a bug."""
+        if self.scheduler.waiting_for_fsm:
             # Only requests with grammars still compiling: wait a little for one.
             self.structured_output.wait_for_compiles(_IDLE_WAIT_S)
-            return outputs
-        if stalled and self.scheduler.waiting_for_lora:
+        elif self.scheduler.waiting_for_lora:
             # Only requests whose adapters are being read: the same.
             self.lora_loader.wait(_IDLE_WAIT_S)
-            return outputs
-        if stalled and self.scheduler.has_unfinished_requests():
+        elif self.scheduler.has_unfinished_requests():
             # Start-up checks guarantee one request always fits, so a step that
             # neither ran nor preempted anything would repeat forever.
             raise RuntimeError("engine step scheduled nothing while requests are pending")
-        return outputs
 
     def shutdown(self) -> None:
         self.executor.shutdown()

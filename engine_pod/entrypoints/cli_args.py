@@ -54,7 +54,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="ranks to split the model across, one worker process each (gloo on CPU, nccl on CUDA)")
     g.add_argument("--pipeline-parallel-size", type=int, default=ParallelConfig.pipeline_parallel_size,
                    help="pipeline stages to split the layers across, each of --tensor-parallel-size ranks "
-                        "(one worker process per rank; one batch in flight at a time)")
+                        "(one worker process per rank; up to one step per stage in flight)")
     g.add_argument("--speculative-config", default=EngineConfig.speculative,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\'')

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 from engine_pod.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:  # a simulated engine never imports the worker side (torch)
+    from engine_pod.worker.stage_timing import StageTiming
 
 
 class Executor(ABC):
@@ -22,6 +26,26 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine may have in flight at once (one per pipeline stage;
+        1: each step's output is taken before the next is scheduled)."""
+        return 1
+
+    def submit_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Start a step without waiting for it (executors with max_concurrent_batches > 1)."""
+        raise NotImplementedError(f"{type(self).__name__} runs one step at a time: call execute_model")
+
+    def take_model_output(self) -> ModelRunnerOutput:
+        """The output of the oldest step submitted and not yet taken, waiting for it."""
+        raise NotImplementedError(f"{type(self).__name__} runs one step at a time: call execute_model")
+
+    def stage_timings(self) -> list[StageTiming]:
+        """Every rank's pipeline-stage figures so far (other nodes' as of their
+        last heartbeat), without a call to them: safe from another thread, also
+        while steps are in flight; [] where there are none (a simulated engine)."""
+        return []
 
     @abstractmethod
     def collective_rpc(self, method: str, *args) -> list:

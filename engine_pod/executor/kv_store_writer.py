@@ -20,10 +20,10 @@ def put_step_blocks(store: TieredKVStore, meta: KVConnectorMetadata, outputs: li
     rank's, in rank order."""
     layout = store.codec.layout
     if meta.offloads:
-        blocks = assemble_blocks([o.offloaded for o in outputs], layout.num_kv_heads)
+        blocks = assemble_blocks([o.offloaded for o in outputs], layout.num_kv_heads, layout.num_layers)
         for (_, block_hash), block in zip(meta.offloads, blocks):
             store.host.put(block_hash, store.codec.encode(block_hash, block_payload(layout, block)))
     if meta.saves:
-        blocks = assemble_blocks([o.saved for o in outputs], layout.num_kv_heads)
+        blocks = assemble_blocks([o.saved for o in outputs], layout.num_kv_heads, layout.num_layers)
         store.put_many([(block_hash, block_payload(layout, block), sync)
                         for (_, block_hash, sync), block in zip(meta.saves, blocks)], meta.transfers)

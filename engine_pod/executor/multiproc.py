@@ -38,6 +38,7 @@ idle (``on_group_failure``).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -55,12 +56,13 @@ from multiprocessing.connection import Connection, wait
 import torch
 
 from engine_pod.config import EngineConfig, NodeLayout
-from engine_pod.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine_pod.core.scheduler_output import KVConnectorMetadata, ModelRunnerOutput, SchedulerOutput
+from engine_pod.distributed.join_stop import JOIN_STOP, JoinStopped
 from engine_pod.distributed.node_channel import (
     KEY_PURPOSE,
     ChannelError,
+    NodeChannel,
     NodeLink,
-    accept_node,
     listen,
     node_channel_port,
 )
@@ -68,6 +70,8 @@ from engine_pod.distributed.parallel_state import sampler_rank
 from engine_pod.distributed.shm_broadcast import BroadcastWriter
 from engine_pod.executor.abstract import Executor
 from engine_pod.executor.kv_store_writer import put_step_blocks
+from engine_pod.executor.node_acceptor import JoinTimeout, NodeAcceptor
+from engine_pod.worker.stage_timing import StageTiming, StageTimingBoard
 from engine_pod.worker.worker_process import SHUTDOWN, WorkerCall, WorkerReply, WorkerSpec, run_worker
 from kv_store.tiered_store import TieredKVStore
 from tessera.internal_secret import InternalSecret
@@ -82,6 +86,8 @@ STOP_GRACE_SECONDS = 5.0
 DEATH_SETTLE_SECONDS = 0.2
 # How long a rank's failure in a collective waits for another node's word on its cause.
 REMOTE_CAUSE_SECONDS = 1.0
+# How often start-up checks whether the pod was asked to stop (distributed/join_stop.py).
+STOP_POLL_SECONDS = 0.5
 
 
 def _picklable(scheduler_output: SchedulerOutput) -> SchedulerOutput:
@@ -96,6 +102,16 @@ def _picklable(scheduler_output: SchedulerOutput) -> SchedulerOutput:
 
 class WorkerError(RuntimeError):
     """A tensor- or pipeline-parallel worker died or raised: the engine cannot continue."""
+
+
+@dataclass
+class _Step:
+    """A step broadcast and not yet answered."""
+
+    gather: KVConnectorMetadata | None
+    """Its KV store metadata when every rank replies with blocks for the store; None: the sampler alone replies."""
+    submitted: float
+    """perf_counter() when it was broadcast."""
 
 
 @dataclass
@@ -138,7 +154,7 @@ def _stop_workers(workers: list[_Worker], channel: BroadcastWriter, rendezvous_d
     if graceful and all(w.process.is_alive() for w in workers) and all(n.link.lost is None for n in nodes):
         for node in nodes:
             try:
-                node.link.send(WorkerCall(SHUTDOWN))
+                node.link.send_last(WorkerCall(SHUTDOWN))
             except ChannelError:
                 pass
         try:
@@ -187,6 +203,10 @@ class MultiProcExecutor(Executor):
         self.num_steps = 0
         self.last_broadcast_bytes = 0
         self._kv_store: TieredKVStore | None = None
+        # Steps submitted and not yet taken, oldest first; and each rank's replies not yet taken.
+        self._in_flight: collections.deque[_Step] = collections.deque()
+        self._replies: dict[int, collections.deque[WorkerReply]] = {
+            rank: collections.deque() for rank in range(self.world_size)}
         layout: NodeLayout = config.parallel.nodes if world_size is None else NodeLayout()
         if not layout.is_leader:
             raise ValueError(f"node_rank={layout.node_rank}: only the leader (node 0) runs the engine core")
@@ -196,6 +216,7 @@ class MultiProcExecutor(Executor):
         """Called (on a link's thread) when another node is lost, also while no call runs."""
         ctx = mp.get_context("spawn")
         self._channel = BroadcastWriter(ctx, len(self.local_ranks))
+        self._stage_board = StageTimingBoard(ctx, self.world_size, self.tp_size)
         self._rendezvous_dir = tempfile.mkdtemp(prefix="tessera-tp-")
         threads = config.parallel.worker_threads or max(1, torch.get_num_threads() // len(self.local_ranks))
         self._workers: list[_Worker] = []
@@ -227,6 +248,7 @@ class MultiProcExecutor(Executor):
                     rank, self.world_size, config, os.path.join(self._rendezvous_dir, "store"),
                     self._channel.reader_spec(), send, os.getpid(), threads, self.pp_size,
                     local_index=index, store_address=store_address, store_timeout_s=layout.join_timeout_s,
+                    stage_board=self._stage_board,
                 )
                 process = ctx.Process(target=run_worker, args=(spec,), name=f"tessera-rank{rank}", daemon=True)
                 process.start()
@@ -250,37 +272,29 @@ class MultiProcExecutor(Executor):
 
     def _accept_nodes(self, listener, key: bytes) -> None:
         """Take one authenticated connection from every other node, within the
-        join timeout; a peer that fails authentication is dropped and logged."""
-        layout = self.layout
-        deadline = time.monotonic() + layout.join_timeout_s
-        missing = set(range(1, layout.nnodes))
-        listener.settimeout(0.5)
-        while missing:
-            if time.monotonic() >= deadline:
-                self._fail(f"nodes {sorted(missing)} did not join within {layout.join_timeout_s:.0f}s "
-                           f"(they dial {layout.master_addr}:{node_channel_port(layout.master_port)})")
-            self._check_alive()
-            try:
-                sock, address = listener.accept()
-            except TimeoutError:
-                continue
-            peer = f"{address[0]}:{address[1]}"
-            try:
-                node_rank, channel = accept_node(sock, peer, key)
-            except ChannelError as e:
-                sock.close()
-                logger.warning("engine group: dropped a connection: %s", e)
-                continue
-            if node_rank not in missing:
-                channel.close()
-                logger.warning("engine group: dropped %s: node rank %d is %s", peer, node_rank,
-                               "already joined" if 0 < node_rank < layout.nnodes else "out of range")
-                continue
-            missing.discard(node_rank)
-            node = _Node(node_rank, layout.local_ranks_of(node_rank, self.world_size),
+        join timeout (executor/node_acceptor.py); each node's link starts (its
+        heartbeats with it) as soon as it joins, while the others are awaited."""
+
+        def joined(node_rank: int, channel: NodeChannel, peer: str) -> None:
+            node = _Node(node_rank, self.layout.local_ranks_of(node_rank, self.world_size),
                          NodeLink(channel, on_lost=functools.partial(self._node_lost, node_rank)))
             self._nodes.append(node)
             logger.info("engine group: %s joined from %s", node.name(), peer)
+
+        try:
+            NodeAcceptor(listener, key, self.layout).run(joined, self._check_alive, JOIN_STOP)
+        except JoinTimeout as e:
+            self._fail(str(e))
+        except JoinStopped:
+            # The ranks here wait at the rendezvous for nodes that will not come: none would
+            # answer a graceful stop, so they are stopped at once.
+            self._stop_now()
+            raise
+
+    def _stop_now(self) -> None:
+        """Stop every rank without asking (they are not reading calls yet)."""
+        self._finalizer.detach()
+        _stop_workers(self._workers, self._channel, self._rendezvous_dir, graceful=False, shared=self._shared)
 
     def _node_lost(self, node_rank: int, message: str) -> None:
         name = _node_name(node_rank, self.layout.local_ranks_of(node_rank, self.world_size))
@@ -306,24 +320,45 @@ class MultiProcExecutor(Executor):
         self._kv_store = store
         self._call_all("attach_kv_store", store.codec.layout)
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        # One step per pipeline stage: a stage passes a step on without waiting for its tokens.
+        return self.pp_size
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        start = time.perf_counter()
+        self.submit_model(scheduler_output)
+        return self.take_model_output()
+
+    def submit_model(self, scheduler_output: SchedulerOutput) -> None:
         meta = scheduler_output.kv_connector if self._kv_store is not None else None
         # Every rank replies only on steps that read blocks back for the store
         # (its heads of them); ordinary steps keep the one reply of the sampling rank.
         gather = meta is not None and meta.reads_blocks
-        ranks = range(self.world_size) if gather else [self.sampler_rank]
         self._broadcast(WorkerCall("execute_model", (_picklable(scheduler_output),), all_ranks_reply=gather))
+        self._in_flight.append(_Step(meta if gather else None, time.perf_counter()))
+
+    def take_model_output(self) -> ModelRunnerOutput:
+        step = self._in_flight.popleft()
+        ranks = range(self.world_size) if step.gather is not None else [self.sampler_rank]
         replies = self._collect(ranks, timeout=None)
         reply = replies[self.sampler_rank]
-        self.channel_seconds += time.perf_counter() - start - reply.call_seconds
+        if len(self._in_flight) == 0:
+            # With steps overlapping, the channel's share is only known for one alone.
+            self.channel_seconds += time.perf_counter() - step.submitted - reply.call_seconds
         self.num_steps += 1
         out: ModelRunnerOutput = reply.value
-        if gather:
-            assert self._kv_store is not None and meta is not None
-            put_step_blocks(self._kv_store, meta, [replies[rank].value.kv_connector_output for rank in ranks])
+        if step.gather is not None:
+            assert self._kv_store is not None
+            put_step_blocks(self._kv_store, step.gather, [replies[rank].value.kv_connector_output for rank in ranks])
         out.kv_connector_output = None
         return out
+
+    def stage_timings(self) -> list[StageTiming]:
+        """This node's ranks' figures, and the other nodes' as their latest heartbeats carried them."""
+        timings = self._stage_board.read(self.local_ranks)
+        for node in list(self._nodes):
+            timings += node.link.peer_status or []
+        return timings
 
     def collective_rpc(self, method: str, *args) -> list:
         return self._call_all(method, *args)
@@ -337,6 +372,9 @@ class MultiProcExecutor(Executor):
 
     # -- plumbing ----------------------------------------------------------
     def _call_all(self, method: str, *args) -> list:
+        if self._in_flight:
+            # Its replies would queue behind the steps': the engine takes every step's output first.
+            raise RuntimeError(f"{method}: {len(self._in_flight)} steps are still in flight")
         self._broadcast(WorkerCall(method, args, all_ranks_reply=True))
         replies = self._collect(range(self.world_size), timeout=None)
         return [replies[rank].value for rank in range(self.world_size)]
@@ -361,17 +399,26 @@ class MultiProcExecutor(Executor):
                 self._fail(f"lost {node.name()}: {node.link.lost}")
 
     def _collect(self, ranks, timeout: float | None) -> dict[int, WorkerReply]:
-        """Replies of ``ranks``, failing at once if any worker raises or dies
-        (or, across nodes, another node reports one or is lost)."""
-        pending = set(ranks)
-        replies: dict[int, WorkerReply] = {}
+        """The next reply of each of ``ranks``, failing at once if any worker
+        raises or dies (or, across nodes, another node reports one or is lost).
+        Replies are read from every rank as they come and queued per rank: with
+        several steps in flight a rank may already have answered a later one."""
+        pending = {rank for rank in ranks if not self._replies[rank]}
         deadline = None if timeout is None else time.monotonic() + timeout
         by_conn = {w.replies: w for w in self._workers}
         by_sentinel = {w.process.sentinel: w for w in self._workers}
         by_inbox = {n.link.inbox: n for n in self._nodes}
         while pending:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self._starting:
+                # A pod asked to stop while its ranks load (minutes for a large checkpoint) stops now.
+                if JOIN_STOP.is_set():
+                    self._stop_now()
+                    raise JoinStopped(f"asked to stop while ranks {sorted(pending)} were starting")
+                remaining = STOP_POLL_SECONDS if remaining is None else min(remaining, STOP_POLL_SECONDS)
             ready = wait([*by_conn, *by_sentinel, *by_inbox], timeout=remaining)
+            if not ready and self._starting and (deadline is None or time.monotonic() < deadline):
+                continue
             if not ready:
                 self._fail(f"{self._kind} workers {sorted(pending)} did not answer within {timeout:.0f}s")
             # Pipes first: a worker that raised sends its traceback, then dies.
@@ -379,7 +426,7 @@ class MultiProcExecutor(Executor):
                 reply = self._receive(by_conn[conn])
                 if reply.kind == "error":
                     self._fail_with_error(by_conn[conn], reply.value)
-                self._take(reply, by_conn[conn].rank, replies, pending)
+                self._queue_reply(reply, by_conn[conn].rank, pending)
             for inbox in (r for r in ready if r in by_inbox):
                 node = by_inbox[inbox]
                 try:
@@ -388,7 +435,7 @@ class MultiProcExecutor(Executor):
                     self._fail(f"lost {node.name()}: {e}")
                 kind, rank, value = message
                 if kind == "reply" and value.kind != "error":
-                    self._take(value, rank, replies, pending)
+                    self._queue_reply(value, rank, pending)
                 elif kind == "reply":
                     self._fail(f"{self._remote_name(node, rank)} failed:\n{value.value}")
                 else:  # "dead": the node saw one of its ranks die, and stops
@@ -398,11 +445,11 @@ class MultiProcExecutor(Executor):
                 if worker.replies.poll():
                     continue  # read its last words on the next round
                 self._fail(self._death_message(worker))
-        return replies
+        return {rank: self._replies[rank].popleft() for rank in ranks}
 
-    def _take(self, reply: WorkerReply, rank: int, replies: dict[int, WorkerReply], pending: set[int]) -> None:
+    def _queue_reply(self, reply: WorkerReply, rank: int, pending: set[int]) -> None:
         self._forward_seconds = max(self._forward_seconds, reply.forward_seconds)
-        replies[rank] = reply
+        self._replies[rank].append(reply)
         pending.discard(rank)
 
     def _remote_name(self, node: _Node, rank: int) -> str:

@@ -12,7 +12,8 @@ whether to reply, exactly as on one machine).
 It exits non-zero, after stopping its ranks, when the leader goes away (its
 link closes or stays silent past the peer timeout), when a local rank dies
 (the leader is told which first), or when the leader does not answer within
-the join timeout; 0 when the leader shuts the group down or on SIGTERM.
+the join timeout; 0 when the leader shuts the group down or on SIGTERM
+(also while it still waits for the leader: distributed/join_stop.py).
 Its ranks also watch this process and exit if it disappears: no orphans.
 """
 
@@ -29,6 +30,7 @@ from multiprocessing.connection import wait
 import torch
 
 from engine_pod.config import EngineConfig
+from engine_pod.distributed.join_stop import JoinStopped
 from engine_pod.distributed.node_channel import (
     KEY_PURPOSE,
     ChannelError,
@@ -38,6 +40,7 @@ from engine_pod.distributed.node_channel import (
 )
 from engine_pod.distributed.shm_broadcast import BroadcastWriter
 from engine_pod.executor.multiproc import _stop_workers, _Worker
+from engine_pod.worker.stage_timing import StageTimingBoard
 from engine_pod.worker.worker_process import SHUTDOWN, WorkerCall, WorkerSpec, run_worker
 from tessera.internal_secret import InternalSecret
 
@@ -55,14 +58,19 @@ def run_node(config: EngineConfig, stop: threading.Event) -> int:
     ranks = layout.local_ranks(world_size)
     leader = (layout.master_addr, node_channel_port(layout.master_port))
     try:
-        channel = connect_to_leader(leader, layout.node_rank, key, time.monotonic() + layout.join_timeout_s)
+        channel = connect_to_leader(leader, layout.node_rank, key, time.monotonic() + layout.join_timeout_s, stop)
+    except JoinStopped as e:
+        logger.warning("node %d: %s; exiting (no rank was started)", layout.node_rank, e)
+        return 0
     except ChannelError as e:
         logger.error("node %d: %s", layout.node_rank, e)
         return 1
-    link = NodeLink(channel)
+    ctx = mp.get_context("spawn")
+    # Its ranks' stage figures, which its heartbeats carry to the leader's metrics.
+    board = StageTimingBoard(ctx, world_size, world_size // config.parallel.pipeline_parallel_size)
+    link = NodeLink(channel, status=lambda: board.read(ranks))
     logger.info("node %d: joined the leader at %s:%d; starting ranks %d-%d", layout.node_rank, *leader,
                 ranks.start, ranks.stop - 1)
-    ctx = mp.get_context("spawn")
     ring = BroadcastWriter(ctx, len(ranks))
     rendezvous_dir = tempfile.mkdtemp(prefix="tessera-node-")
     threads = config.parallel.worker_threads or max(1, torch.get_num_threads() // len(ranks))
@@ -74,7 +82,7 @@ def run_node(config: EngineConfig, stop: threading.Event) -> int:
             spec = WorkerSpec(rank, world_size, config, os.path.join(rendezvous_dir, "store"), ring.reader_spec(),
                               send, os.getpid(), threads, config.parallel.pipeline_parallel_size,
                               local_index=index, store_address=(layout.master_addr, layout.master_port),
-                              store_timeout_s=layout.join_timeout_s)
+                              store_timeout_s=layout.join_timeout_s, stage_board=board)
             process = ctx.Process(target=run_worker, args=(spec,), name=f"tessera-rank{rank}", daemon=True)
             process.start()
             send.close()

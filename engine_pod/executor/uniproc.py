@@ -33,6 +33,9 @@ class UniProcExecutor(Executor):
             out.kv_connector_output = None
         return out
 
+    def stage_timings(self) -> list:
+        return [self.runner.stage_timing()]
+
     def collective_rpc(self, method: str, *args) -> list:
         return [getattr(self.runner, method)(*args)]
 

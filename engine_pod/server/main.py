@@ -7,7 +7,9 @@ asyncio loop in a second thread.
 Start-up: the gRPC port opens first and answers health NOT_SERVING while the
 model loads and warms up; then SERVING. SIGTERM (or SIGINT): NOT_SERVING,
 new requests get UNAVAILABLE, in-flight ones finish within the drain
-timeout (the rest are aborted), exit 0.
+timeout (the rest are aborted), exit 0. A multi-node leader still waiting
+for its other nodes, or a node for its leader, stops waiting at once
+(distributed/join_stop.py) and exits 0.
 
 Callers: every method but health needs the deployment's internal token
 (auth.py; the secret comes from TESSERA_INTERNAL_SECRET_FILE or
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import itertools
 import logging
@@ -39,6 +42,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import start_http_server
 
 from engine_pod.config import EngineConfig, create_engine_config
+from engine_pod.distributed.join_stop import JOIN_STOP, JoinStopped
 from engine_pod.engine.engine_core import EngineCore
 from engine_pod.entrypoints.cli_args import add_engine_args, add_node_args, engine_kwargs, node_layout
 from engine_pod.executor.abstract import Executor
@@ -57,6 +61,7 @@ from engine_pod.server.metrics import (
     InFlightCollector,
     KVStoreCollector,
     LoRACollector,
+    PipelineStageCollector,
     StructuredOutputCollector,
 )
 from engine_pod.server.step_watchdog import watch_steps
@@ -282,6 +287,8 @@ def _start_pod(pod: _Pod, config: EngineConfig, executor: Executor | None, loop,
         pod.metrics.registry.register(LoRACollector(pod.service.adapters, pod.core.lora_loader, model_name))
     pod.engine = AsyncEngine(pod.core, loop)
     pod.metrics.registry.register(InFlightCollector(pod.engine.in_flight, model_name))
+    if config.parallel.pipeline_parallel_size > 1:
+        pod.metrics.registry.register(PipelineStageCollector(pod.core.executor, model_name))
     pod.service.attach(pod.engine)
 
 
@@ -333,7 +340,7 @@ def serve(args: argparse.Namespace) -> int:
     frontend = Frontend([pod.server for pod in pods])
     frontend.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: frontend.request_stop())
+        signal.signal(sig, functools.partial(_on_stop_signal, frontend))
     group_failure: list[str] = []
 
     def fail_group(message: str) -> None:
@@ -364,6 +371,11 @@ def serve(args: argparse.Namespace) -> int:
             lifecycle.result(timeout=30)
         for pod in pods:
             pod.core.shutdown()
+    except JoinStopped as e:
+        # Stopped before the group formed: the executor stopped its ranks; a pod being stopped exits 0.
+        logger.warning("engine group: %s; exiting without serving", e)
+        print("tessera engine stopped", flush=True)
+        return 0
     finally:
         frontend.close()
         for pod in pods:
@@ -373,6 +385,13 @@ def serve(args: argparse.Namespace) -> int:
         logger.error("a simulated pod's engine loop failed: %r", failure)
     print("tessera engine stopped", flush=True)
     return 1 if failures or group_failure else 0
+
+
+def _on_stop_signal(frontend: Frontend, *_) -> None:
+    """SIGTERM/SIGINT: a serving pod drains; a leader still waiting for its
+    group's other nodes stops waiting (distributed/join_stop.py)."""
+    JOIN_STOP.set()
+    frontend.request_stop()
 
 
 def _serve_node(args: argparse.Namespace, config: EngineConfig) -> int:

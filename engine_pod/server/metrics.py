@@ -43,6 +43,8 @@ class EngineMetrics:
                                             "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("tessera_prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.num_preemptions = counter("tessera_num_preemptions", "Requests preempted (recompute)")
+        self.steps_in_flight = gauge("tessera_steps_in_flight", "Engine steps submitted and not yet applied "
+                                     "(up to one per pipeline stage; 0 without pipeline parallelism)")
         # Mean accepted length = 1 + accepted_tokens / drafts; acceptance rate = accepted / draft_tokens.
         self.spec_decode_num_drafts = counter(
             "tessera_spec_decode_num_drafts", "Verification steps of a request that carried drafts")
@@ -77,6 +79,7 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions)
+        self.steps_in_flight.set(stats.steps_in_flight)
         self.spec_decode_num_drafts.inc(stats.spec_decode.num_drafts)
         self.spec_decode_num_draft_tokens.inc(stats.spec_decode.num_draft_tokens)
         self.spec_decode_num_accepted_tokens.inc(stats.spec_decode.num_accepted_tokens)
@@ -187,6 +190,36 @@ class KVStoreCollector:
             for reason in REJECT_REASONS:
                 fam.add_metric(m + [tier, reason], self.store.stats.rejected[(tier, reason)])
         return fam
+
+
+class PipelineStageCollector:
+    """Each pipeline stage's step figures (its TP rank 0's), read at scrape
+    time from the workers' shared board and the other nodes' heartbeats: the
+    bubble fraction over an interval is 1 - sum(rate(busy)) / (stages x 1 s)."""
+
+    def __init__(self, executor, model_name: str) -> None:
+        self.executor = executor  # executor/abstract.Executor
+        self.model_name = model_name
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        from engine_pod.worker.stage_timing import stage_leaders
+
+        labels = ["model_name", "stage"]
+        families = (
+            ("tessera_pipeline_stage_steps", "Non-empty engine steps the stage ran", lambda t: t.steps),
+            ("tessera_pipeline_stage_busy_seconds", "Seconds the stage computed within its steps",
+             lambda t: t.busy_seconds),
+            ("tessera_pipeline_stage_wait_seconds", "Seconds the stage waited within its steps for the previous "
+             "stage's hidden states", lambda t: t.wait_seconds),
+        )
+        leaders = stage_leaders(self.executor.stage_timings())
+        for name, doc, value in families:
+            fam = CounterMetricFamily(name, doc, labels=labels)
+            for timing in leaders:
+                fam.add_metric([self.model_name, str(timing.stage)], value(timing))
+            yield fam
 
 
 class StructuredOutputCollector:

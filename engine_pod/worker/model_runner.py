@@ -9,9 +9,10 @@ results).
 
 Under tensor parallelism every rank runs one of these on the same scheduler
 output: the same batch, its own shard of the model and of the KV heads.
-Rank 0 samples from the gathered logits and broadcasts the sampled ids
-(tp_follower.py is the other ranks' side), so every rank's request states
-(the tokens of the next step) stay identical.
+Rank 0 samples from the gathered logits; the other ranks go on at once and
+learn the sampled tokens from the next SchedulerOutput that schedules their
+request (CachedRequestData.new_token_ids), so no rank waits for another's
+sampling.
 
 With speculative decoding a request's scheduled tokens end with its drafts;
 logits are computed at the last verified token and at every draft, the
@@ -23,9 +24,10 @@ Under pipeline parallelism every rank still gets the same scheduler output
 and builds the same batch; a stage after the first receives the previous
 stage's hidden states and residual stream ([tokens, hidden] each, model
 dtype) instead of embedding, a stage before the last sends its own on, and
-only the last stage computes logits. Its TP rank 0 samples and broadcasts the
-emitted table to every rank of every stage (tp_follower.py): one batch in
-flight at a time, so the stages take turns (no micro-batching).
+only the last stage computes logits, and its TP rank 0 samples. Since no
+stage waits for the sampled tokens, a stage takes the engine's next step as
+soon as it has passed this one on: the engine keeps up to one step per stage
+in flight (engine_core.py), and the stages work on different steps at once.
 """
 
 from __future__ import annotations
@@ -53,7 +55,6 @@ from engine_pod.worker.request_state import CachedRequestState, update_request_s
 from engine_pod.worker.runner_output import make_runner_output
 from engine_pod.worker.sampling_metadata import build_sampling_metadata, grammar_bitmask_rows
 from engine_pod.worker.stage_timing import StageTiming
-from engine_pod.worker.tp_follower import follow_sampler
 from kv_store.codec import BlockLayout
 
 # Weights from this size on are moved onto 2 MiB pages once loaded (cpu_malloc.collapse_heap_to_huge_pages):
@@ -73,9 +74,11 @@ class ModelRunner:
     TP), method by name: determine_num_blocks, initialize_kv_cache,
     attach_kv_store, execute_model, weight_bytes, resident_memory.
 
-    Invariants: ``requests`` mirrors the scheduler's view after each
-    execute_model (new requests added, finished ones dropped, emitted tokens
-    appended), identically on every rank; only the sampling rank's output
+    Invariants: at the start of each execute_model ``requests`` holds, on
+    every rank, what the scheduler knew when it built that step (new requests
+    added, finished ones dropped, every token up to the scheduled ones); the
+    sampling rank appends what it samples at once, the others when the
+    scheduler sends it (RequestState.take_new_tokens); only the sampling rank's output
     carries results (rank 0; under PP the last stage's TP rank 0); the KV
     cache (of this stage's layers) exists before the first execute_model.
     """
@@ -149,7 +152,7 @@ class ModelRunner:
         this rank's cache around each step; the store itself stays with the
         executor (the engine core's process)."""
         heads = kv_head_range(self.arch.num_key_value_heads, self.group.world_size, self.group.rank)
-        self.kv_connector = KVConnectorWorker(layout, self.kv_cache, heads)
+        self.kv_connector = KVConnectorWorker(layout, self.kv_cache, heads, self.model.model.stage_layers)
 
     # -- one step ---------------------------------------------------------
     @torch.inference_mode()
@@ -202,16 +205,9 @@ class ModelRunner:
             hidden = None
         logits = self.model.compute_logits(hidden) if batch.sampling_states and pp.is_last_stage else None
         self.forward_seconds += time.perf_counter() - start
-        if not batch.sampling_states:
+        if not batch.sampling_states or not pp.is_sampler:
             return ModelRunnerOutput({})
-        if not pp.is_sampler:
-            waited = time.perf_counter()
-            try:
-                return follow_sampler(batch, pp)
-            finally:
-                self.stage_wait_seconds += time.perf_counter() - waited
         emitted, out = self._sample(logits, batch, grammar_bitmask_rows(so, batch, self.device))
-        pp.broadcast_from_sampler(emitted.contiguous())
         return make_runner_output(batch, emitted.tolist(), out, self.drafter)
 
     def _sample(

@@ -33,11 +33,26 @@ class CachedRequestState:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
 
+    def take_new_tokens(self, token_ids: list[int], index: int) -> None:
+        """Append those of the scheduler's ``token_ids`` (the request's tokens
+        from ``index`` on) this state lacks. The sampling rank appended them as
+        it sampled, so it takes none; every other rank learns them here, a step
+        later, without waiting for the sampler."""
+        held = self.num_tokens - index
+        if held < 0 or held > len(token_ids):
+            raise RuntimeError(
+                f"request {self.req_id}: the runner holds {self.num_tokens} tokens, the scheduler sent "
+                f"{len(token_ids)} from index {index}"
+            )
+        for token_id in token_ids[held:]:
+            self.append_output(token_id)
+
 
 def update_request_states(requests: dict[str, CachedRequestState], so: SchedulerOutput, device: torch.device) -> None:
     """Apply what the scheduler says changed: drop finished requests, hold new
     ones (with their seeded generator, if any), extend or (after a
-    preemption) replace block tables."""
+    preemption) replace block tables, and append the tokens this rank has not
+    sampled itself."""
     for req_id in so.finished_req_ids:
         requests.pop(req_id, None)
     for new in so.scheduled_new_reqs:
@@ -56,3 +71,4 @@ def update_request_states(requests: dict[str, CachedRequestState], so: Scheduler
         else:
             state.block_ids.extend(cached.new_block_ids)
         state.num_computed_tokens = cached.num_computed_tokens
+        state.take_new_tokens(cached.new_token_ids, cached.new_token_index)

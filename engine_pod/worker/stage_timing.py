@@ -1,7 +1,9 @@
-"""Where a pipeline stage's step time goes: computing, or waiting for another
-stage (the hidden states from the one before it, the sampled tokens from the
-last one). With one batch in flight the stages take turns, so each waits
-about (S - 1) / S of a step: the pipeline's bubble."""
+"""Where a pipeline stage's time goes: computing, or waiting for the previous
+stage's hidden states within a step; the time between steps (waiting for the
+engine's next one) is the rest. With one step in flight the stages would take
+turns and each idle about (S - 1) / S of the time; the engine keeps one step
+per stage in flight to hide that bubble, and these figures say how far it
+does."""
 
 from __future__ import annotations
 
@@ -46,3 +48,33 @@ def bubble_fraction(timings: Sequence[StageTiming], wall_seconds: float) -> floa
     if not leaders or wall_seconds <= 0:
         raise ValueError("bubble_fraction needs at least one stage and a positive wall time")
     return 1.0 - sum(t.busy_seconds for t in leaders) / (len(leaders) * wall_seconds)
+
+
+class StageTimingBoard:
+    """Every local rank's StageTiming totals in shared memory: each worker
+    writes its row after each step, and the engine's process reads them at any
+    time (a metrics scrape) without a call to the workers, which may be busy
+    with steps in flight."""
+
+    FIELDS = 3  # steps, step seconds, wait seconds
+
+    def __init__(self, ctx, world_size: int, tp_size: int) -> None:
+        """``ctx``: the multiprocessing context the workers are spawned with."""
+        self._values = ctx.Array("d", world_size * self.FIELDS)
+        self.tp_size = tp_size
+
+    def publish(self, rank: int, timing: StageTiming) -> None:
+        row = rank * self.FIELDS
+        with self._values.get_lock():  # a reader never sees half a row
+            self._values[row:row + self.FIELDS] = [timing.steps, timing.step_seconds, timing.wait_seconds]
+
+    def read(self, ranks: range) -> list[StageTiming]:
+        """The totals of ``ranks`` (this node's), as their workers last wrote them."""
+        with self._values.get_lock():
+            values = list(self._values)
+        timings = []
+        for rank in ranks:
+            steps, step_seconds, wait_seconds = values[rank * self.FIELDS:(rank + 1) * self.FIELDS]
+            timings.append(StageTiming(rank // self.tp_size, rank % self.tp_size, int(steps), step_seconds,
+                                       wait_seconds))
+        return timings

@@ -27,6 +27,7 @@ import torch
 from engine_pod.config import EngineConfig
 from engine_pod.distributed.parallel_state import destroy_tensor_parallel_group, init_parallel_groups, sampler_rank
 from engine_pod.distributed.shm_broadcast import BroadcastReader, ChannelSpec
+from engine_pod.worker.stage_timing import StageTimingBoard
 
 
 @dataclass
@@ -43,6 +44,7 @@ class WorkerSpec:
     local_index: int | None = None  # this rank's place on its node (ring reader, CUDA device); None: rank
     store_address: tuple[str, int] | None = None  # ranks on several nodes: the leader's TCPStore
     store_timeout_s: float = 600.0  # how long the rendezvous waits for every rank
+    stage_board: StageTimingBoard | None = None  # where it publishes its stage figures after each step
 
     @property
     def local_rank(self) -> int:
@@ -116,6 +118,8 @@ def run_worker(spec: WorkerSpec) -> None:
         except BaseException:  # noqa: BLE001
             spec.replies.send(WorkerReply("error", traceback.format_exc()))
             raise SystemExit(1) from None
+        if spec.stage_board is not None and call.method == "execute_model":
+            spec.stage_board.publish(spec.rank, runner.stage_timing())
         if call.all_ranks_reply or spec.rank == spec.sampler_rank:
             spec.replies.send(WorkerReply("ok", value, time.perf_counter() - start, runner.forward_seconds))
     reader.close()

@@ -9,9 +9,11 @@ bubble fraction is the share of the stages' time spent not computing. Rounds
 alternate which side goes first, so drift in the machine's load favours
 neither; ratios are of the medians.
 
-With one batch in flight the stages take turns, so on one machine PP
-cannot beat one stage: it exists to fit a model that one node cannot hold.
-The figures say what the turn-taking costs."""
+The engine keeps one step per stage in flight, so the stages work on
+different requests at once; on one machine PP still pays for the hand-offs
+and the scheduling of more, smaller steps: it exists to fit a model that one
+node cannot hold. The figures say what is left of the bubble and what it
+costs."""
 
 from __future__ import annotations
 

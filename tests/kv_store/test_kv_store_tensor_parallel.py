@@ -12,6 +12,7 @@ Float64, as in the TP parity tests (tests/engine_pod/test_tensor_parallel.py).
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import random
 import time
@@ -22,7 +23,7 @@ import torch
 from engine_pod import LLM, SamplingParams
 from engine_pod.model.parallel_layers import kv_head_range
 from engine_pod.request import Request
-from engine_pod.worker.kv_shards import RankBlocks, assemble_blocks, rank_heads
+from engine_pod.worker.kv_shards import RankBlocks, assemble_blocks, rank_share
 from kv_store.block_hash import hash_request_tokens
 from tests.engine_pod.hf_reference import HFResult, assert_matches_hf, hf_greedy
 
@@ -67,7 +68,7 @@ def test_assembling_every_ranks_heads_gives_the_whole_block_back(num_kv_heads, t
     shards = []
     for rank in range(tp):
         heads = kv_head_range(num_kv_heads, tp, rank)
-        shards.append(RankBlocks(heads, rank_heads(whole, heads).contiguous()))
+        shards.append(RankBlocks(heads, rank_share(whole, heads).contiguous()))
     assert assemble_blocks(shards, num_kv_heads).equal(whole)
     # Through a pickle, as a worker's reply pipe carries it.
     assert assemble_blocks(pickle.loads(pickle.dumps(shards)), num_kv_heads).equal(whole)
@@ -83,14 +84,23 @@ def test_tp2_host_tier_serves_saved_and_offloaded_prefixes(request, family):
     it; those loaded blocks, evicted again, are offloaded byte for byte as
     they were saved (so each rank loaded and read back its own heads: tiny_qwen2's
     greedy tokens barely depend on the context, its bytes do)."""
-    path = request.getfixturevalue(family)
+    with check_host_tier_round_trip(request.getfixturevalue(family), tensor_parallel_size=2) as llm:
+        assert llm.stats.external_prefix_hits > 0
+
+
+@contextlib.contextmanager
+def check_host_tier_round_trip(path, **layout):
+    """An engine of ``layout`` with a host tier: a prefix saved whole serves
+    another prompt once the device evicted it; evicted again, its blocks are
+    offloaded byte for byte as saved, and serve the first prompt. Yields the
+    engine for the caller's own checks."""
     target = _prompts(1, seed=1, lengths=(200,))[0]
     sharing = target[:160] + _prompts(1, seed=2, lengths=(40,))[0]  # 10 blocks in common
     shared_hashes = hash_request_tokens(target, BLOCK)[:10]
     # Each set needs 50 blocks of the pool's 40: all the target's are evicted.
     others, more_others = _prompts(4, seed=3, lengths=(180, 200)), _prompts(4, seed=10, lengths=(180, 200))
     expected_target, expected_sharing = _hf(path, [target, sharing])
-    with LLM(str(path), tensor_parallel_size=2, kv_host_bytes=64 << 20, **SMALL_POOL_KW) as llm:
+    with LLM(str(path), kv_host_bytes=64 << 20, **layout, **SMALL_POOL_KW) as llm:
         store = llm.engine_core.kv_store
         _check(llm, [target], [expected_target])  # saved to the host tier
         saved = {h: bytes(store.host.get(h)) for h in shared_hashes}
@@ -109,7 +119,7 @@ def test_tp2_host_tier_serves_saved_and_offloaded_prefixes(request, family):
         hits = store.stats.host_hits
         _check(llm, [target], [expected_target])
         assert store.stats.host_hits - hits >= 1
-        assert llm.stats.external_prefix_hits > 0
+        yield llm
 
 
 def test_redis_blocks_cross_tp_degrees_both_ways(tiny_llama, redis_server):
@@ -193,13 +203,20 @@ def _produce(llm: LLM, prompt: list[int]) -> list[int]:
 def test_pd_through_redis_between_tp2_and_tp1(tiny_llama, redis_server):
     """Prefill at TP=2, decode at TP=1, and the reverse: the decode side
     loads every full block of the prompt and its tokens equal HF's."""
+    check_pd_both_ways(tiny_llama, redis_server, {"tensor_parallel_size": 2})
+
+
+def check_pd_both_ways(path, redis_server, layout: dict) -> None:
+    """P/D through Redis between an engine of ``layout`` and a TP=1 one, each
+    way: the prefill side's blocks are in Redis once its first token is out;
+    the decode side loads every full block and its tokens equal HF's."""
     prompts = _prompts(2, seed=9, lengths=(150, 90))
-    expected = _hf(tiny_llama, prompts)
+    expected = _hf(path, prompts)
     redis = dict(kv_redis_url=redis_server.url)
-    tp1 = LLM(str(tiny_llama), **ENGINE_KW, **redis)
-    with LLM(str(tiny_llama), tensor_parallel_size=2, **ENGINE_KW, **redis) as tp2:
-        for prefill, decode, prompt, want in [(tp2, tp1, prompts[0], expected[0]),
-                                              (tp1, tp2, prompts[1], expected[1])]:
+    tp1 = LLM(str(path), **ENGINE_KW, **redis)
+    with LLM(str(path), **layout, **ENGINE_KW, **redis) as other:
+        for prefill, decode, prompt, want in [(other, tp1, prompts[0], expected[0]),
+                                              (tp1, other, prompts[1], expected[1])]:
             assert _produce(prefill, prompt) == want.token_ids[:1]
             # Synchronous: in Redis once the first token is out, no flush.
             keys = [prefill.engine_core.kv_store.remote.key(h)

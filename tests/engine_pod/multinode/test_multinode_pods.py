@@ -17,7 +17,7 @@ import pytest
 from engine_pod import LLM, SamplingParams
 from engine_pod.server.process import EnginePodProcess, free_port
 from tessera.child_process import ChildProcess
-from tests.engine_pod.server.client import generate_all, greedy
+from tests.engine_pod.server.client import generate_all, greedy, scrape_metrics
 from tests.engine_pod.server.conftest import POD_ARGS
 
 PROMPTS = [[11, 12, 13], list(range(100, 140))]
@@ -184,6 +184,47 @@ def test_a_rank_killed_on_the_node_mid_request_fails_the_leader_naming_node_and_
             time.sleep(0.05)
         assert not _alive(workers)
         assert "pipeline-parallel worker rank 1 (stage 1, node 1)" in (tmp_path / "leader.log").read_text()
+    finally:
+        node.terminate(timeout=10)
+        leader.terminate(timeout=10)
+
+
+def test_sigterm_to_the_leader_stops_the_whole_group_cleanly(tiny_llama, tmp_path, expected):
+    """A drained leader shuts its node down: both exit 0, and the node closing
+    its link after the shutdown is not a lost node (a rollout is not a failure)."""
+    leader, node = _start_group(tiny_llama, tmp_path)
+    try:
+        leader.wait_serving(timeout=120)
+        got = asyncio.run(generate_all(leader.address, [greedy(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]))
+        assert got == expected
+        leader.proc.send_signal(signal.SIGTERM)
+        leader_code, node_code = _wait_exit(leader, 30), _wait_exit(node, 30)
+        text = (tmp_path / "leader.log").read_text()
+        logs = f"leader:\n{text}\nnode:\n{(tmp_path / 'node.log').read_text()}"
+        assert (leader_code, node_code) == (0, 0), logs
+        assert "lost node" not in text, logs
+    finally:
+        node.terminate(timeout=10)
+        leader.terminate(timeout=10)
+
+
+def test_the_leaders_metrics_show_the_other_nodes_stage(tiny_llama, tmp_path, expected):
+    """Stage 1 runs on the node: its figures reach the leader's /metrics with the node's heartbeats."""
+    leader, node = _start_group(tiny_llama, tmp_path)
+    try:
+        leader.wait_serving(timeout=120)
+        asyncio.run(generate_all(leader.address, [greedy(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]))
+        deadline = time.monotonic() + 5  # a heartbeat a second carries the node's figures
+        steps: dict[str, float] = {}
+        while time.monotonic() < deadline and steps.get("1", 0.0) < max(MAX_TOKENS):
+            samples = scrape_metrics(leader)
+            steps = {labels[0][1]: v for (name, labels), v in samples.items()
+                     if name == "tessera_pipeline_stage_steps_total"}
+            time.sleep(0.2)
+        # Every decode step ran on both stages.
+        assert steps.get("0", 0.0) >= max(MAX_TOKENS) and steps.get("1", 0.0) >= max(MAX_TOKENS), steps
+        busy = samples[("tessera_pipeline_stage_busy_seconds_total", (("stage", "1"),))]
+        assert busy > 0.0
     finally:
         node.terminate(timeout=10)
         leader.terminate(timeout=10)

@@ -74,6 +74,7 @@ def test_greedy_equals_hf_chunked_cached_and_preempted(request, hf_reference, fa
     assert stats.num_preemptions > 0
     assert stats.prefix_cache_hits > 0
     assert stats.steps > sum(len(p) for p in PROMPTS) // 32  # prompts were chunked
+    assert stats.max_steps_in_flight == pp  # the stages worked on different steps at once
     assert per_rank == [whole // 2] * (pp * tp)
 
 
@@ -116,7 +117,7 @@ def test_structured_output_under_pp2_equals_one_stage(tiny_llama):
 def test_killing_a_stage_fails_generate_fast_and_leaves_no_process(tiny_llama, rank):
     """Rank 0 is stage 0: the last stage (rank 1, which samples and answers
     the executor) is then blocked receiving from it. Rank 1 is the sampler:
-    stage 0 then waits for the emitted tokens."""
+    the executor then waits for its reply (and stage 0 to send it the next step)."""
     kw = dict(dtype="float32", max_model_len=2048, kv_cache_memory_bytes=32 << 20, device="cpu")
     llm = LLM(str(tiny_llama), pipeline_parallel_size=2, **kw)
     pids = llm.engine_core.executor.worker_pids
