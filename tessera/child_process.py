@@ -52,6 +52,29 @@ def free_port(attempts: int = 200) -> int:
     return port
 
 
+def free_port_pair(attempts: int = 200) -> int:
+    """A loopback port P such that P and P + 1 are both free right now and neither was handed out
+    before (a multi-node engine's leader listens on both: its rendezvous store and, next to it, its
+    node channel), chosen below the ephemeral range as free_port's are. Both count as handed out."""
+    top = min(_ephemeral_start(), 60000)
+    for _ in range(attempts if top > 20101 else 0):
+        port = random.randrange(20000, top - 1)
+        if port in _handed_out or port + 1 in _handed_out or not (_bindable(port) and _bindable(port + 1)):
+            continue
+        _handed_out.update((port, port + 1))
+        return port
+    raise RuntimeError("no two consecutive free loopback ports found below the ephemeral range")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port_range(count: int, attempts: int = 200) -> int:
     """The first of ``count`` consecutive ports free on loopback right now
     (a host of simulated pods listens on consecutive ports)."""

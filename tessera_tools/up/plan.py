@@ -5,6 +5,8 @@ schema (the operator's own function, so the errors are the same), with the
 engine command lines and the gateway config the operator would render,
 changed only where a machine differs from a cluster: loopback ports instead
 of Services, a local folder instead of the PVC, cores split between pods.
+A pipeline-parallel pool's replica is a group of processes, one per stage,
+as the operator's LeaderWorkerSet has pods (group_plan.py).
 Credentials stay off the command lines here too: the Redis URL goes in the
 engines' environment (`EngineChild.env`) and, for the Batch API, the gateway's
 (`LocalPlan.gateway_env`), never in its config file; the runner hands every
@@ -18,15 +20,19 @@ kvStore.redis.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.config import BATCH_REDIS_URL_ENV
+from tessera import child_process
 from tessera_operator import engine_pool, gateway, names
 from tessera_operator.names import Owner
 from tessera_operator.validation import validate_inference_service
+from tessera_tools.up.group_plan import NodeChild, local_group, worker_command
 
 KV_INBOX_PORT_FLAG = "--kv-inbox-port"
 
@@ -43,6 +49,12 @@ class EngineChild:
     env: dict[str, str] = field(default_factory=dict, repr=False)
     # Where prefill pods push KV blocks (a decode pod of the direct channel); 0: no such listener.
     kv_inbox_port: int = 0
+    nodes: tuple[NodeChild, ...] = ()
+    """Under pipeline parallelism the group's other nodes: this child is then its leader (node 0,
+    stage 0, serving gRPC); empty: one process runs the whole engine."""
+    master_port: int = 0
+    """A group's rendezvous port on loopback (--master-port; its node channel takes the next one);
+    0: no group."""
 
     @property
     def address(self) -> str:
@@ -112,9 +124,11 @@ def split_cpus(cpus: tuple[int, ...], count: int) -> list[frozenset[int]]:
     return [frozenset({cpus[i % len(cpus)]}) for i in range(count)]
 
 
-def build_plan(resource: dict, options: LocalOptions, free_port: Callable[[], int]) -> LocalPlan:
+def build_plan(resource: dict, options: LocalOptions, free_port: Callable[[], int],
+               free_port_pair: Callable[[], int] = child_process.free_port_pair) -> LocalPlan:
     """`free_port` gives a free loopback port (two per engine: gRPC, metrics; a third for a decode pod's
-    KV inbox; one for the gateway's metrics)."""
+    KV inbox; one for the gateway's metrics); `free_port_pair` a port P with P + 1 free too (a
+    pipeline-parallel engine's rendezvous port and its node channel's)."""
     obj = validate_inference_service(resource)
     spec, owner = obj["spec"], Owner.of(obj)
     model_path = local_model_path(spec["model"], options.models_dir)
@@ -123,24 +137,35 @@ def build_plan(resource: dict, options: LocalOptions, free_port: Callable[[], in
                          "build one with `tessera make-model` or pass --models-dir")
     roles = names.active_pools(spec["mode"])
     replicas = [(role, i) for role in roles for i in range(spec["pools"][role]["replicas"])]
+    # Processes per replica: one per pipeline stage, as the operator's LeaderWorkerSet has pods (a
+    # simulated pod computes nothing and stays one process: the engine refuses --nnodes with --simulate).
+    sizes = [1 if options.simulate else engine_pool.pool_pipeline_parallel_size(spec, role) for role, _ in replicas]
     cpus = options.cpus or tuple(sorted(os.sched_getaffinity(0)))
-    cpu_sets = split_cpus(cpus, len(replicas)) if options.pin_cpus else [None] * len(replicas)
+    # Every process of every group gets its share: the stages compute at the same time.
+    cpu_sets = split_cpus(cpus, sum(sizes)) if options.pin_cpus else [None] * sum(sizes)
+    default_threads = max(1, len(cpus) // sum(sizes))
     redis_env = {}
     if "redis" in spec["kvStore"] and options.redis_url:
         redis_env[engine_pool.REDIS_URL_ENV] = options.redis_url  # may carry a password: never an argument
     engines = []
-    for (role, index), cpu_set in zip(replicas, cpu_sets):
+    for (role, index), size in zip(replicas, sizes):
+        sets, cpu_sets = cpu_sets[:size], cpu_sets[size:]
+        threads = [len(cpu_set) if cpu_set else default_threads for cpu_set in sets]
         args = engine_pool.engine_args(owner, spec, role)
         grpc_port, metrics_port = free_port(), free_port()
         # The operator's pods share KV_INBOX_PORT; here each decode pod needs a loopback port of its own.
         kv_inbox_port = free_port() if KV_INBOX_PORT_FLAG in args else 0
-        threads = len(cpu_set) if cpu_set else max(1, len(cpus) // len(replicas))
-        args = _local_engine_args(args, model_path, grpc_port, metrics_port, kv_inbox_port, threads)
-        if options.simulate:
-            args = _simulated_engine_args(args, options.simulate)
-        args = _local_lora_args(args, spec, options.models_dir)
-        engines.append(EngineChild(f"{role}-{index}", role, grpc_port, metrics_port, args, cpu_set, dict(redis_env),
-                                   kv_inbox_port))
+        local = functools.partial(_local_args, model_path=model_path, ports=(grpc_port, metrics_port, kv_inbox_port),
+                                  spec=spec, options=options)
+        name, args = f"{role}-{index}", local(args, threads[0])
+        engine = EngineChild(name, role, grpc_port, metrics_port, args, sets[0], dict(redis_env), kv_inbox_port)
+        if size > 1:
+            worker = worker_command(owner, spec, role)
+            group = local_group(spec, role, name, args, [local(worker, t) for t in threads[1:]], free_port_pair(),
+                                sets)
+            engine = dataclasses.replace(engine, args=group.leader_args, nodes=group.nodes,
+                                         master_port=group.master_port)
+        engines.append(engine)
     gateway_metrics_port = options.metrics_port or free_port()
     config = _gateway_config(owner, spec, model_path, engines, options, gateway_metrics_port)
     batch_directory, gateway_env = _local_batch(config, spec, options, owner.name)
@@ -174,6 +199,16 @@ def _local_batch(config: dict, spec: dict, options: LocalOptions, name: str) -> 
     for key in ("redis_ca_file", "redis_cert_file", "redis_key_file"):
         section.pop(key, None)
     return None, {BATCH_REDIS_URL_ENV: options.redis_url}  # may carry a password: never in a file or argument
+
+
+def _local_args(args: list[str], threads: int, model_path: Path, ports: tuple[int, int, int], spec: dict,
+                options: LocalOptions) -> list[str]:
+    """An operator's engine command made local: this machine's folders, loopback ports (`ports`:
+    gRPC, metrics, KV inbox; each set only where the command has its flag), `threads` CPU threads."""
+    args = _local_engine_args(args, model_path, *ports, threads)
+    if options.simulate:
+        args = _simulated_engine_args(args, options.simulate)
+    return _local_lora_args(args, spec, options.models_dir)
 
 
 def _local_engine_args(args: list[str], model_path: Path, grpc_port: int, metrics_port: int, kv_inbox_port: int,

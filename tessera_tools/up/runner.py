@@ -2,8 +2,11 @@
 
 The gateway and every engine pod run as child processes on loopback ports
 (see plan.py for what differs from a cluster); Redis too when the resource
-names one and no --redis-url is given. Ctrl-C (SIGINT) or SIGTERM drains
-and stops every child; a child that crashes is restarted with back-off.
+names one and no --redis-url is given. A pipeline-parallel pool's engine
+runs as a group of processes, one per stage, like the operator's
+LeaderWorkerSet (group_plan.py), supervised as one child (child_group.py).
+Ctrl-C (SIGINT) or SIGTERM drains and stops every child; a child that
+crashes is restarted with back-off.
 
 Each run generates its own internal secret (what the operator's Secret is in
 a cluster), writes it to a file only this user may read, and names the file
@@ -31,8 +34,9 @@ from grpc_health.v1 import health_pb2
 
 from engine_pod.server.process import health_status
 from gateway.process import gateway_health
-from tessera.child_process import ChildProcess, free_port
+from tessera.child_process import ChildProcess, free_port, free_port_pair
 from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, SECRET_KEY, InternalSecret, InternalSecretError
+from tessera_tools.up.child_group import ChildGroup, Member
 from tessera_tools.up.plan import EngineChild, LocalOptions, LocalPlan, build_plan, state_dir
 from tessera_tools.up.ports import check_ports
 from tessera_tools.up.supervisor import ChildFailed, Supervisor
@@ -98,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         redis = _start_redis(state_dir(options, name if isinstance(name, str) and name else "local"))
         options = LocalOptions(**{**options.__dict__, "redis_url": redis.url})
     try:
-        plan = build_plan(resource, options, free_port)
+        plan = build_plan(resource, options, free_port, free_port_pair)
         log_dir = state_dir(options, plan.name)
         log_dir.mkdir(parents=True, exist_ok=True)
         return _serve(plan, options, log_dir, args.ready_timeout, supervisor)
@@ -171,7 +175,7 @@ def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         for engine in plan.engines:
-            child = _LoggedChild(engine.args, log_dir / f"{engine.name}.log", {**env, **engine.env}, engine.cpus)
+            child = _engine_child(engine, log_dir, env)
             supervisor.add(engine.name, child.start, stop_order=1, fatal_cause=child.bind_failure)
         # Private all the same, though the Batch API's Redis URL comes by environment (plan.gateway_env).
         config_path = write_private_file(log_dir / "gateway.yaml",
@@ -198,6 +202,20 @@ def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout:
             secret_file.unlink(missing_ok=True)  # the next run makes its own
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _engine_child(engine: EngineChild, log_dir: Path, env: dict[str, str]) -> _LoggedChild | ChildGroup:
+    """One engine pod's process, or a pipeline-parallel engine's group (leader and nodes, each
+    logging to its own file), which the supervisor starts, watches and restarts as one. `env`: every
+    child's; the engine's own (the Redis URL) goes to the engine core alone, the leader, as the
+    operator's worker pods get none."""
+    leader = _LoggedChild(engine.args, log_dir / f"{engine.name}.log", {**env, **engine.env}, engine.cpus)
+    if not engine.nodes:
+        return leader
+    nodes = [Member(f"node {node.node_rank} ({node.name})", _LoggedChild(node.args, log_dir / f"{node.name}.log", env,
+                                                                          node.cpus))
+             for node in engine.nodes]
+    return ChildGroup(engine.name, [Member("leader", leader), *nodes])
 
 
 # What a child logs when it cannot bind a port (uvicorn, prometheus_client, the servers' own
@@ -254,19 +272,32 @@ def _client_host(options: LocalOptions) -> str:
     return "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
 
 
-def _engine_line(engine: EngineChild, width: int) -> str:
+def _engine_lines(engine: EngineChild, width: int) -> list[str]:
+    """The pod's line; a pipeline-parallel group's leader says so, and each of its nodes gets a line."""
     line = f"  {engine.name:<{width}}  gRPC {engine.address}  metrics http://127.0.0.1:{engine.metrics_port}/metrics"
-    return line + (f"  KV inbox 127.0.0.1:{engine.kv_inbox_port}" if engine.kv_inbox_port else "")
+    line += f"  KV inbox 127.0.0.1:{engine.kv_inbox_port}" if engine.kv_inbox_port else ""
+    if not engine.nodes:
+        return [line]
+    size = len(engine.nodes) + 1
+    line += f"  (leader, stage 0 of {size}; the group meets at 127.0.0.1:{engine.master_port})"
+    return [line] + [f"  {node.name:<{width}}  stage {node.node_rank} of {size}, node of {engine.name} (no gRPC)"
+                     for node in engine.nodes]
+
+
+def _group_note(plan: LocalPlan, role: str) -> str:
+    """" (each a group of P processes, one per pipeline stage)" for a pipeline-parallel pool, else ""."""
+    sizes = {len(e.nodes) + 1 for e in plan.engines if e.role == role}
+    return f" (each a group of {sizes.pop()} processes, one per pipeline stage)" if sizes != {1} else ""
 
 
 def banner(plan: LocalPlan, options: LocalOptions, log_dir: Path) -> str:
     host = _client_host(options)
     base = f"http://{host}:{options.http_port}"
-    roles = ", ".join(f"{sum(e.role == r for e in plan.engines)} {r}"
+    roles = ", ".join(f"{sum(e.role == r for e in plan.engines)} {r}" + _group_note(plan, r)
                       for r in dict.fromkeys(e.role for e in plan.engines))
     key = "YOUR_API_KEY" if options.tenants_file else "local"
-    width = max(len(e.name) for e in plan.engines)
-    engines = "\n".join(_engine_line(e, width) for e in plan.engines)
+    width = max(len(name) for e in plan.engines for name in (e.name, *(n.name for n in e.nodes)))
+    engines = "\n".join(line for e in plan.engines for line in _engine_lines(e, width))
     batch = ""
     if plan.batch:
         kept = f"kept in {plan.batch_directory}" if plan.batch_directory else "kept in kvStore.redis's Redis"

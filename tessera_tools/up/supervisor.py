@@ -4,7 +4,10 @@ A child that exits on its own is restarted after a back-off that doubles
 (1 s, 2 s, 4 s ... up to 30 s) and resets once the child has run for a
 minute; meanwhile the gateway routes around it. A child whose exit has a
 cause no restart can cure (its port is taken: `fatal_cause`) ends the run
-instead (ChildFailed). Shutdown stops the gateway
+instead (ChildFailed). A child may be a group of processes that stand and
+fall together (child_group.py: a pipeline-parallel engine's leader and
+nodes): it has exited once any member has and the rest have stopped, and it
+restarts whole. Shutdown stops the gateway
 first (no new requests), then the engines (each drains its in-flight
 requests), then anything else (Redis), killing what outlives its timeout.
 """
@@ -17,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tessera.child_process import ChildProcess
+from tessera_tools.up.child_group import RunningGroup
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +36,12 @@ class ChildFailed(Exception):
 @dataclass
 class Supervised:
     name: str
-    start: Callable[[], ChildProcess]
+    start: Callable[[], ChildProcess | RunningGroup]
     # Lower stops first.
     stop_order: int
     # After an exit: why restarting cannot help (one line), or None to restart.
     fatal_cause: Callable[[], str | None] | None = None
-    process: ChildProcess | None = None
+    process: ChildProcess | RunningGroup | None = None
     started_at: float = 0.0
     backoff_s: float = MIN_BACKOFF_S
     restart_at: float | None = None
@@ -50,10 +54,10 @@ class Supervisor:
         self.children: dict[str, Supervised] = {}
         self.clock = clock
         self.stopping = False
-        # Children still running when stop() came, which it stopped.
+        # Processes still running when stop() came, which it stopped (a group's members each count).
         self.num_stopped = 0
 
-    def add(self, name: str, start: Callable[[], ChildProcess], stop_order: int,
+    def add(self, name: str, start: Callable[[], ChildProcess | RunningGroup], stop_order: int,
             fatal_cause: Callable[[], str | None] | None = None) -> Supervised:
         child = Supervised(name, start, stop_order, fatal_cause)
         self.children[name] = child
@@ -93,11 +97,16 @@ class Supervisor:
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop every child in order; nothing is left running afterwards."""
         self.stopping = True
-        self.num_stopped = sum(c.process is not None and c.process.proc.poll() is None
-                               for c in self.children.values())
+        self.num_stopped = sum(_processes(c.process) for c in self.children.values()
+                               if c.process is not None and c.process.proc.poll() is None)
         for order in sorted({c.stop_order for c in self.children.values()}):
             group = [c for c in self.children.values() if c.stop_order == order and c.process is not None]
             for child in group:
                 child.process.request_stop()
             for child in group:
                 child.process.terminate(timeout_s)
+
+
+def _processes(process: ChildProcess | RunningGroup) -> int:
+    """How many processes a running child is: a group counts its members still running."""
+    return process.num_running if isinstance(process, RunningGroup) else 1
