@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import yaml
 
-from tessera_operator.crd_engine import MAX_PIPELINE_NAME_LENGTH, POOL_NAMES, uses_pipeline_cel
+from tessera_operator.crd_engine import (
+    MAX_PIPELINE_NAME_LENGTH,
+    MAX_PREFILL_PIPELINE_NAME_LENGTH,
+    POOL_NAMES,
+    prefill_group_cel,
+    uses_pipeline_cel,
+)
 from tessera_operator.crd_spec import spec_schema
 from tessera_operator.schema_dsl import DNS_LABEL_PATTERN, Schema, array, integer, obj, string
 
@@ -25,8 +31,11 @@ SHORT_NAMES = ["tisvc"]
 MAX_NAME_LENGTH = 50
 NAME_RULE = (f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && "
              f"self.metadata.name.matches('{DNS_LABEL_PATTERN}')")
-# Pipeline-parallel pools are LeaderWorkerSets, whose StatefulSets' names leave less room.
-PIPELINE_NAME_RULE = f"!({uses_pipeline_cel('self.spec')}) || self.metadata.name.size() <= {MAX_PIPELINE_NAME_LENGTH}"
+# Pipeline-parallel pools are LeaderWorkerSets, whose StatefulSets' names leave less room (a
+# prefill pool's, NAME-prefill-GROUP, one character less than the others').
+PIPELINE_NAME_RULE = (f"!({uses_pipeline_cel('self.spec')}) || self.metadata.name.size() <= "
+                      f"({prefill_group_cel('self.spec')} ? {MAX_PREFILL_PIPELINE_NAME_LENGTH} : "
+                      f"{MAX_PIPELINE_NAME_LENGTH})")
 
 
 def status_schema() -> Schema:
@@ -65,8 +74,9 @@ def openapi_schema() -> Schema:
     }, required=["spec"], rules=[(NAME_RULE, f"metadata.name must be a DNS label (lower case letters, digits, '-') "
                        f"of at most {MAX_NAME_LENGTH} characters: it names the Services"),
                                  (PIPELINE_NAME_RULE, f"metadata.name must have at most {MAX_PIPELINE_NAME_LENGTH} "
-                                  "characters with pipelineParallelSize above 1: the LeaderWorkerSet's StatefulSets "
-                                  "are named after it")])
+                                  f"characters with pipelineParallelSize above 1 ({MAX_PREFILL_PIPELINE_NAME_LENGTH} "
+                                  "with a pipeline-parallel prefill pool): the LeaderWorkerSet's StatefulSets are "
+                                  "named after it")])
     return root
 
 

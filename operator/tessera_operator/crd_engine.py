@@ -41,12 +41,11 @@ MAX_PRIORITY = 2**31 - 1
 BACKGROUND_POLICY_RULE = "!has(self.backgroundPriority) || self.schedulingPolicy == 'priority'"
 # Pipeline stages per engine: one pod per stage (a LeaderWorkerSet group), each with the pool's TP GPUs.
 MAX_PIPELINE_PARALLEL_SIZE = 64
-# A quantity that is zero, as CEL sees kvStore.hostMemory (an int or a string such as "0Gi").
-ZERO_QUANTITY_PATTERN = r"^[+]?(0+[.]?0*|[.]0+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
 # A LeaderWorkerSet's worker StatefulSets are named LWS-GROUP, and a StatefulSet's pods carry a
 # label of its name plus an 11-character hash (63 at most): NAME-engine-GROUP (up to 4 digits)
-# must stay within 52 characters.
+# must stay within 52 characters, and so must NAME-decode-GROUP; NAME-prefill-GROUP is one longer.
 MAX_PIPELINE_NAME_LENGTH = 40
+MAX_PREFILL_PIPELINE_NAME_LENGTH = MAX_PIPELINE_NAME_LENGTH - 1
 
 
 def uses_pipeline_cel(spec: str) -> str:
@@ -62,14 +61,18 @@ def uses_pipeline(spec: dict) -> bool:
                + [pool.get("pipelineParallelSize", 1) for pool in spec["pools"].values()]) > 1
 
 
-_USES_PP = uses_pipeline_cel("self")
-# On the spec: what the engine refuses under pipeline parallelism for now (engine_pod/config.py
-# ParallelConfig.check_features: the KV store and P/D KV transfer; LoRA runs, each stage holding its layers').
-PIPELINE_RULE = (f"!({_USES_PP}) || (self.mode == 'mixed' && !has(self.kvStore.redis) && "
-                 f"string(self.kvStore.hostMemory).matches('{ZERO_QUANTITY_PATTERN}'))")
-PIPELINE_MESSAGE = ("pipelineParallelSize above 1 (engine or pools) needs mode mixed, no kvStore.redis and "
-                    "kvStore.hostMemory 0: the engine does not support the KV store (nor P/D transfer) with pipeline "
-                    "parallelism yet")
+def prefill_group_cel(spec: str) -> str:
+    """CEL: whether the spec's prefill pool runs (disaggregated mode) as a LeaderWorkerSet (its own
+    pipelineParallelSize, else the engine's, above 1): the pool whose name is the longest."""
+    size = (f"(has({spec}.pools.prefill.pipelineParallelSize) ? {spec}.pools.prefill.pipelineParallelSize : "
+            f"{spec}.engine.pipelineParallelSize)")
+    return f"({spec}.mode == 'disaggregated' && {size} > 1)"
+
+
+def prefill_group(spec: dict) -> bool:
+    """prefill_group_cel's Python twin, on a defaulted spec."""
+    size = spec["pools"]["prefill"].get("pipelineParallelSize", spec["engine"]["pipelineParallelSize"])
+    return spec["mode"] == "disaggregated" and size > 1
 
 
 def engine_schema() -> Schema:
@@ -79,8 +82,8 @@ def engine_schema() -> Schema:
         "pipelineParallelSize": integer(
             "Pipeline stages one engine spans (pipeline parallelism: the model's layers split across stages). "
             "Above 1 each engine replica is a LeaderWorkerSet group of this many pods, one stage each with "
-            "tensorParallelSize GPUs; the leader (stage 0) serves gRPC. Needs the LeaderWorkerSet controller "
-            "in the cluster, mode mixed and no KV store.",
+            "tensorParallelSize GPUs; the leader (stage 0) runs the engine core: it serves gRPC and holds the "
+            "KV store's tiers. Needs the LeaderWorkerSet controller in the cluster.",
             default=1, minimum=1, maximum=MAX_PIPELINE_PARALLEL_SIZE),
         "blockSize": integer("Tokens per KV block; the gateway hashes prompts in blocks of the same size.",
                              default=DEFAULT_BLOCK_SIZE, minimum=1, maximum=256),
@@ -229,13 +232,15 @@ def _scaling(role: str, signals: list[str], default_signal: str) -> Schema:
 
 def kv_store_schema() -> Schema:
     return obj("Tiered KV store of the engine pods: KV blocks kept beyond the GPU's cache.", {
-        "hostMemory": quantity("Host-memory KV tier of each engine pod, in bytes (e.g. 8Gi; 0 turns it off).",
+        "hostMemory": quantity("Host-memory KV tier of each engine pod (under pipeline parallelism, of each "
+                               "group's leader, which runs the engine core), in bytes (e.g. 8Gi; 0 turns it off).",
                                default=0),
         "redis": obj("Redis tier shared by every engine pod of the model; disaggregated mode hands KV from "
                      "prefill to decode pods through it.", {
             "urlSecretRef": secret_key_ref("Secret key holding the redis:// or rediss:// URL (it may carry a "
-                                           "password); the engine pods get it as an environment variable, "
-                                           "never on their command line.",
+                                           "password); the engine pods (of a pipeline-parallel group, the "
+                                           "leader alone) get it as an environment variable, never on their "
+                                           "command line.",
                                            default_key="url"),
             "tls": redis_tls_schema("engine pods"),
             "podSelector": string_map("Labels of the Redis pods (in this namespace): a NetworkPolicy then "

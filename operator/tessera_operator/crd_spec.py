@@ -7,14 +7,7 @@ from gateway.config import KV_CHANNELS, DisaggregationConfig
 from gateway.tool_calls.parsers import parser_names
 from tessera.internal_secret import SECRET_KEY
 from tessera_operator import crd_batch
-from tessera_operator.crd_engine import (
-    PIPELINE_MESSAGE,
-    PIPELINE_RULE,
-    autoscaling_schema,
-    engine_schema,
-    kv_store_schema,
-    pools_schema,
-)
+from tessera_operator.crd_engine import autoscaling_schema, engine_schema, kv_store_schema, pools_schema
 from tessera_operator.crd_lora import LORA_NAMES_RULE, LORA_SETTINGS_RULE, loras_schema
 from tessera_operator.schema_dsl import (
     DNS_LABEL_PATTERN,
@@ -76,7 +69,6 @@ def spec_schema() -> Schema:
                              "from in engine.lora.runtimeRoots"),
         (crd_batch.CLASS_RULE, crd_batch.CLASS_MESSAGE),
         (crd_batch.VOLUME_REPLICAS_RULE, crd_batch.VOLUME_REPLICAS_MESSAGE),
-        (PIPELINE_RULE, PIPELINE_MESSAGE),
     ])
 
 
@@ -145,8 +137,9 @@ def _disaggregation() -> Schema:
                             "operator's NetworkPolicy admits them); Redis stays the shared prefix tier and takes "
                             "the blocks of a push that fails.",
                             enum=list(KV_CHANNELS), default=DEFAULT_KV_CHANNEL),
-        "inboxBytes": size("With kvChannel direct: the inbox of each decode pod, in bytes (e.g. 2Gi), host memory "
-                           "where pushed blocks wait for their request, least recently used dropped first. Size "
+        "inboxBytes": size("With kvChannel direct: the inbox of each decode pod (a pipeline-parallel group's "
+                           "leader), in bytes (e.g. 2Gi), host memory where pushed blocks wait for their "
+                           "request, least recently used dropped first. Size "
                            "it for the KV of a few prompts at once (Llama 3.1 8B in bfloat16: 128 KiB per token, "
                            "so 1Gi holds about 8,000 tokens): blocks dropped before their request reads them are "
                            "looked up in Redis, else recomputed. 0 turns the inbox off: every push is refused "

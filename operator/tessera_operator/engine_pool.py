@@ -3,9 +3,13 @@
 The workload is a Deployment, or, when the pool's pipelineParallelSize P is above 1, a
 LeaderWorkerSet (leaderworkerset.x-k8s.io/v1, the LWS controller must be installed): each
 replica is a group of P pods, one pipeline stage each. The leader (worker index 0, stage 0)
-serves gRPC, health and metrics as a Deployment's pod does; the workers (the other stages)
-serve nothing but the group's own traffic. The pool's Service selects leaders only, so the
-gateway routes to them alone. A lost stage restarts its whole group (RecreateGroupOnPodRestart).
+runs the engine core: it serves gRPC, health and metrics as a Deployment's pod does and holds
+the KV store (host tier, Redis, a decode pod's inbox), assembling whole blocks from every
+stage's share. The workers (the other stages) run only their ranks: no port of their own, no
+KV store flag, no Redis credential or certificate, the internal secret alone (the group's pods
+authenticate each other with it). The pool's Service selects leaders only, so the gateway, and
+through it a prefill pod pushing KV, reaches them alone. A lost stage restarts its whole group
+(RecreateGroupOnPodRestart).
 """
 
 from __future__ import annotations
@@ -47,12 +51,28 @@ MASTER_PORT = 29500
 
 def engine_args(owner: Owner, spec: dict, role: str) -> list[str]:
     """The `tessera engine` command line of one pool, as `tessera up` runs it too (`_pod_args` adds
-    what only a pod has). No credential is ever an argument: the Redis URL and the internal secret
-    come by environment and file."""
-    model, engine, kv = spec["model"], spec["engine"], spec["kvStore"]
-    args = ["engine", "--model", pod_parts.model_path(model), "--role", role,
-            "--host", "0.0.0.0", "--grpc-port", str(GRPC_PORT), "--metrics-port", str(METRICS_PORT),
-            "--served-model-name", model["name"], "--dtype", model["dtype"]]
+    what only a pod has): the engine core's, which serves and holds the KV store. No credential is
+    ever an argument: the Redis URL and the internal secret come by environment and file."""
+    return _engine_command(owner, spec, role, core=True)
+
+
+def stage_args(owner: Owner, spec: dict, role: str) -> list[str]:
+    """The command line of a pipeline-parallel group's worker pod (node rank above 0, before
+    `group_args`): the engine's, less what only the engine core uses, which runs in the leader alone.
+    No server (gRPC, health, metrics: the worker serves nothing) and no KV store (host tier, Redis,
+    inbox): the leader drives the worker's ranks over the node channel and assembles the whole
+    blocks the store holds from every stage's share. The rest (model, parallelism, batch sizes,
+    LoRA slots, speculative decoding) sizes the ranks, so it stays the leader's."""
+    return _engine_command(owner, spec, role, core=False)
+
+
+def _engine_command(owner: Owner, spec: dict, role: str, *, core: bool) -> list[str]:
+    """`core`: the pod runs the engine core (a Deployment's pod, a group's leader)."""
+    model, engine = spec["model"], spec["engine"]
+    args = ["engine", "--model", pod_parts.model_path(model), "--role", role]
+    if core:
+        args += ["--host", "0.0.0.0", "--grpc-port", str(GRPC_PORT), "--metrics-port", str(METRICS_PORT)]
+    args += ["--served-model-name", model["name"], "--dtype", model["dtype"]]
     if "maxModelLen" in model:
         args += ["--max-model-len", str(model["maxModelLen"])]
     args += ["--block-size", str(engine["blockSize"]),
@@ -73,6 +93,15 @@ def engine_args(owner: Owner, spec: dict, role: str) -> list[str]:
     if not engine["prefixCaching"]:
         args.append("--no-prefix-caching")
     args += loras.engine_args(spec)
+    if core:
+        args += _kv_store_args(owner, spec) + _inbox_args(spec, role)
+    return args
+
+
+def _kv_store_args(owner: Owner, spec: dict) -> list[str]:
+    """The KV store's tiers: the host-memory one, and Redis."""
+    kv = spec["kvStore"]
+    args = []
     host_bytes = int(parse_quantity(kv["hostMemory"]))
     if host_bytes > 0:
         args += ["--kv-host-bytes", str(host_bytes)]
@@ -81,7 +110,7 @@ def engine_args(owner: Owner, spec: dict, role: str) -> list[str]:
         # InferenceService a key space a Redis ACL can confine it to.
         args += ["--kv-redis-key-prefix", names.redis_key_prefix(owner),
                  "--kv-redis-timeout", str(kv["redis"]["timeoutSeconds"])]
-    return args + _inbox_args(spec, role)
+    return args
 
 
 def _background_args(spec: dict) -> list[str]:
@@ -145,19 +174,25 @@ def speculative_config_json(speculative: dict) -> str:
     }, separators=(",", ":"))
 
 
-def engine_env(spec: dict) -> list[dict]:
+def engine_env(spec: dict, core: bool = True) -> list[dict]:
+    """The engine container's environment; the Redis URL (a credential) only where the engine core
+    runs (`core`), the one process of a group that talks to Redis."""
     env = secret_files.internal_secret_env() + pod_parts.SCRATCH_ENV + [
         {"name": "TRITON_CACHE_DIR", "value": TRITON_CACHE_DIR}] + pod_parts.tracing_env(spec, ENGINE_SERVICE_NAME)
     redis = spec["kvStore"].get("redis")
-    if redis is not None:
+    if redis is not None and core:
         ref = redis["urlSecretRef"]
         env.append({"name": REDIS_URL_ENV, "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}})
     return env
 
 
-def _secret_files(owner: Owner, spec: dict) -> secret_files.SecretFiles:
-    return (secret_files.internal_secret(owner, spec) + secret_files.internal_tls(spec)
-            + secret_files.redis_tls(spec))
+def _secret_files(owner: Owner, spec: dict, core: bool) -> secret_files.SecretFiles:
+    """The internal secret in every pod (a group's pods authenticate each other with it); the gRPC
+    certificate and Redis's TLS files only where the engine core serves and reaches Redis."""
+    files = secret_files.internal_secret(owner, spec)
+    if core:
+        files += secret_files.internal_tls(spec) + secret_files.redis_tls(spec)
+    return files
 
 
 def pool_tensor_parallel_size(spec: dict, role: str) -> int:
@@ -200,15 +235,22 @@ def _container_ports(spec: dict, role: str) -> list[dict]:
     return ports
 
 
+def _runs_core(node_rank: str | None) -> bool:
+    """Whether the pod runs the engine core (scheduler, servers, KV store): a Deployment's pod
+    (`node_rank` None) or a group's leader ("0"); a worker runs only its stage's ranks."""
+    return node_rank in (None, "0")
+
+
 def _container(owner: Owner, spec: dict, role: str, node_rank: str | None = None) -> dict:
     """The engine container; `node_rank` in a pipeline-parallel group ("0": the leader, which serves
-    and is probed as a Deployment's pod is; else a worker, which serves no gRPC and has no probe)."""
+    and is probed as a Deployment's pod is; else a worker, which serves nothing, has no probe and
+    gets nothing of the KV store)."""
     engine = spec["engine"]
-    args = engine_args(owner, spec, role) + _pod_args(spec)
+    core = _runs_core(node_rank)
+    args = (engine_args(owner, spec, role) + _pod_args(spec)) if core else stage_args(owner, spec, role)
     if node_rank is not None:
         args += group_args(spec, role, node_rank)
-    serves = node_rank in (None, "0")
-    ports = _container_ports(spec, role) if serves else []
+    ports = _container_ports(spec, role) if core else []
     if node_rank == "0":
         ports.append({"name": "pp-master", "containerPort": MASTER_PORT, "protocol": "TCP"})
     container = {
@@ -220,13 +262,13 @@ def _container(owner: Owner, spec: dict, role: str, node_rank: str | None = None
         **({"ports": ports} if ports else {}),
         "resources": pod_parts.resources(spec["pools"][role]["resources"], pool_gpus(spec, role),
                                          engine["gpuResourceName"]),
-        **(_probes() if serves else {}),
+        **(_probes() if core else {}),
         "lifecycle": pod_parts.prestop_sleep(),
-        "env": engine_env(spec),
+        "env": engine_env(spec, core),
         "securityContext": pod_parts.container_security_context(),
         "volumeMounts": [pod_parts.model_mount(), *loras.mounts(spec),
                          {"name": "dshm", "mountPath": "/dev/shm"}, pod_parts.tmp_mount(),
-                         *_secret_files(owner, spec).mounts],
+                         *_secret_files(owner, spec, core).mounts],
     }
     return container
 
@@ -244,14 +286,14 @@ def _pod_template(owner: Owner, spec: dict, role: str, node_rank: str | None = N
         # compiled kernels (torch extensions, triton).
         "volumes": [pod_parts.model_volume(spec["model"]), *loras.volumes(spec),
                     {"name": "dshm", "emptyDir": {"medium": "Memory"}}, pod_parts.tmp_volume(),
-                    *_secret_files(owner, spec).volumes],
+                    *_secret_files(owner, spec, _runs_core(node_rank)).volumes],
     }
     if pool.get("nodeSelector"):
         pod_spec["nodeSelector"] = dict(pool["nodeSelector"])
     if pool.get("tolerations"):
         pod_spec["tolerations"] = [dict(t) for t in pool["tolerations"]]
     metadata: dict = {"labels": names.labels(owner, "engine", role)}
-    if node_rank in (None, "0"):  # workers have no /metrics
+    if _runs_core(node_rank):  # workers have no /metrics
         metadata["annotations"] = pod_parts.scrape_annotations(METRICS_PORT)
     return {"metadata": metadata, "spec": pod_spec}
 

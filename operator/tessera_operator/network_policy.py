@@ -3,8 +3,9 @@
 - Engine pods: the gRPC port only from this InferenceService's gateway pods and its own engine
   pods (P/D peers: with disaggregation.kvChannel direct, prefill pods push KV to decode pods
   there); when disaggregated, the KV inbox port only from its own prefill pods (the direct
-  channel's data path); the metrics port only from the operator's namespace (the autoscaler
-  scrapes it) and the namespaces in spec.networkPolicy.metricsNamespaces.
+  channel's data path; of a pipeline-parallel prefill pool, its leaders); the metrics port only
+  from the operator's namespace (the autoscaler scrapes it) and the namespaces in
+  spec.networkPolicy.metricsNamespaces.
 - Gateway pods: REST and gRPC from anywhere (the public entry point); metrics as above.
 - Pipeline-parallel pools (LeaderWorkerSets): every TCP port of a pool's group pods from the pods
   of the same LeaderWorkerSet: the ranks meet at the leader's master port (and the next one), then
@@ -61,11 +62,13 @@ def _policy(owner: Owner, name: str, labels: dict, pod_selector: dict, ingress: 
 def _kv_inbox_rule(owner: Owner, spec: dict) -> list[dict]:
     """Prefill pods push KV blocks to decode pods' inbox port; no other pod needs it. Like the gRPC
     rule, whatever kvChannel says (pushes in flight while the gateway rolls). The policy selects
-    every engine pool, but only decode pods listen there; a mixed service has no prefill pods, so
-    no rule (its policy stays as it was)."""
+    every engine pool, but only decode pods (a group's leader) listen there; a mixed service has
+    no prefill pods, so no rule (its policy stays as it was). Of a pipeline-parallel prefill pool,
+    only the leaders push (the engine core sends the blocks it assembled from every stage), so
+    only they are admitted, as its Service selects them."""
     if "prefill" not in names.active_pools(spec["mode"]):
         return []
-    prefill = {"podSelector": {"matchLabels": names.selector(owner, "engine", "prefill")}}
+    prefill = {"podSelector": {"matchLabels": engine_pool.pod_selector(owner, spec, "prefill")}}
     return [{"from": [prefill], "ports": [_tcp(engine_pool.KV_INBOX_PORT)]}]
 
 

@@ -55,7 +55,7 @@ RULE_CHECKS: dict[str, Callable[[dict], bool]] = {
     crd_spec.DEFAULT_CLASS_RULE: lambda gw: any(c["name"] == gw["defaultPriorityClass"] for c in gw["priorityClasses"]),
     crd.NAME_RULE: _name_ok,
     crd.PIPELINE_NAME_RULE: lambda obj: (not crd_engine.uses_pipeline(obj["spec"])
-                                         or len(obj["metadata"]["name"]) <= crd_engine.MAX_PIPELINE_NAME_LENGTH),
+                                         or len(obj["metadata"]["name"]) <= _max_pipeline_name_length(obj["spec"])),
     crd_lora.CPU_LORAS_RULE: lambda lora: lora.get("maxCpuLoras", lora["maxLoras"]) >= lora["maxLoras"],
     crd_lora.LORA_NAMES_RULE: lambda spec: all(a["name"] != spec["model"]["name"] for a in spec.get("loras", [])),
     crd_lora.LORA_SETTINGS_RULE: lambda spec: ("lora" not in spec["engine"] or bool(spec.get("loras"))
@@ -68,16 +68,14 @@ RULE_CHECKS: dict[str, Callable[[dict], bool]] = {
                                                for c in spec["gateway"]["priorityClasses"])),
     crd_batch.VOLUME_REPLICAS_RULE: lambda spec: ("volume" not in spec.get("batch", {})
                                                   or spec["gateway"]["replicas"] == 1),
-    crd_engine.PIPELINE_RULE: lambda spec: _pipeline_ok(spec),
 }
 
 
-def _pipeline_ok(spec: dict) -> bool:
-    """crd_engine.PIPELINE_RULE: pipeline parallelism only where the engine supports it."""
-    if not crd_engine.uses_pipeline(spec):
-        return True
-    return (spec["mode"] == "mixed" and "redis" not in spec["kvStore"]
-            and pattern_matches(crd_engine.ZERO_QUANTITY_PATTERN, str(spec["kvStore"]["hostMemory"])))
+def _max_pipeline_name_length(spec: dict) -> int:
+    """crd.PIPELINE_NAME_RULE's bound: a pipeline-parallel prefill pool's name is the longest."""
+    if crd_engine.prefill_group(spec):
+        return crd_engine.MAX_PREFILL_PIPELINE_NAME_LENGTH
+    return crd_engine.MAX_PIPELINE_NAME_LENGTH
 
 
 def validate_inference_service(obj: dict) -> dict:

@@ -64,41 +64,60 @@ def _cases() -> list[Case]:
     cases += [Case(f"schema: inbox {inbox!r}", make_isvc({"mode": "disaggregated", "disaggregation": {
         "kvChannel": "direct", "inboxBytes": inbox}}), False) for inbox in test_crd_schema.VALID_INBOXES]
     cases += [Case(f"example {path.name}", load_example(path), False) for path in EXAMPLES]
-    cases += [Case(f"pipeline parallel: {name}", make_isvc(change), refused, PIPELINE_MESSAGE if refused else None)
-              for name, change, refused in PIPELINE_CASES]
+    cases += [Case(f"pipeline parallel: {name}", make_isvc(change), False) for name, change in PIPELINE_CASES]
     cases += [Case("pipeline parallel: a 40-character name", make_isvc(PP2, name="a" * 40), False),
               Case("pipeline parallel: a 41-character name", make_isvc(PP2, name="a" * 41), True,
                    "metadata.name must have at most 40 characters with pipelineParallelSize above 1"),
               Case("a 41-character name without pipeline parallelism", make_isvc(name="a" * 41), False)]
+    # A pipeline-parallel prefill pool's StatefulSets (NAME-prefill-GROUP) take one character more.
+    cases += [Case(f"pipeline parallel: a {len(name)}-character name, {what}", make_isvc(change, name=name), refused,
+                   PIPELINE_NAME_MESSAGE if refused else None)
+              for what, change in PREFILL_GROUPS.items() for name, refused in (("a" * 39, False), ("a" * 40, True))]
+    cases += [Case(f"pipeline parallel: a 40-character name, {what}", make_isvc(change, name="a" * 40), False)
+              for what, change in NO_PREFILL_GROUP.items()]
     return cases
 
 
-PIPELINE_MESSAGE = "spec: pipelineParallelSize above 1 (engine or pools) needs mode mixed"
 PP2 = {"engine": {"pipelineParallelSize": 2}}
 REDIS = {"urlSecretRef": {"name": "r"}}
-# (what, change, refused): what the engine refuses under pipeline parallelism, and what it takes.
+# (what, change): the KV store and disaggregation under pipeline parallelism, which the engine runs (the
+# leader assembles whole blocks from every stage's share); no rule refuses them any more (each was once).
 PIPELINE_CASES = [
-    ("engine P 2", PP2, False),
-    ("the mixed pool's P 3, TP 2", {"pools": {"mixed": {"pipelineParallelSize": 3, "tensorParallelSize": 2}}}, False),
-    ("host memory written as 0Gi", {**PP2, "kvStore": {"hostMemory": "0Gi"}}, False),
-    ("host memory 0.0", {**PP2, "kvStore": {"hostMemory": "0.0"}}, False),
+    ("engine P 2", PP2),
+    ("the mixed pool's P 3, TP 2", {"pools": {"mixed": {"pipelineParallelSize": 3, "tensorParallelSize": 2}}}),
     ("P 1 beside the KV store", {"engine": {"pipelineParallelSize": 1},
-                                 "kvStore": {"hostMemory": "8Gi", "redis": REDIS}}, False),
-    ("engine P 2 with every pool at 1, and Redis (any P above 1 counts)",
-     {**PP2, "pools": {"mixed": {"pipelineParallelSize": 1}}, "kvStore": {"redis": REDIS}}, True),
-    ("with kvStore.redis", {**PP2, "kvStore": {"redis": REDIS}}, True),
-    ("with host memory 8Gi", {**PP2, "kvStore": {"hostMemory": "8Gi"}}, True),
-    ("with host memory 1 byte", {"pools": {"mixed": {"pipelineParallelSize": 2}}, "kvStore": {"hostMemory": 1}}, True),
-    ("with host memory 1e3", {**PP2, "kvStore": {"hostMemory": "1e3"}}, True),
-    # LoRA runs under pipeline parallelism: each stage holds its own layers' adapter slots.
-    ("with loras", {**PP2, "loras": [{"name": "sql", "pvc": {"claimName": "models", "path": "sql"}}]}, False),
+                                 "kvStore": {"hostMemory": "8Gi", "redis": REDIS}}),
+    ("engine P 2 with every pool at 1, and Redis",
+     {**PP2, "pools": {"mixed": {"pipelineParallelSize": 1}}, "kvStore": {"redis": REDIS}}),
+    ("with kvStore.redis", {**PP2, "kvStore": {"redis": REDIS}}),
+    ("with host memory 8Gi", {**PP2, "kvStore": {"hostMemory": "8Gi"}}),
+    ("with host memory 1 byte", {"pools": {"mixed": {"pipelineParallelSize": 2}}, "kvStore": {"hostMemory": 1}}),
+    ("with host memory 1e3", {**PP2, "kvStore": {"hostMemory": "1e3"}}),
+    ("with loras", {**PP2, "loras": [{"name": "sql", "pvc": {"claimName": "models", "path": "sql"}}]}),
     ("with engine.lora", {**PP2, "engine": {"pipelineParallelSize": 2, "lora": {"runtimeRoots": [
-        {"pvc": {"claimName": "models", "path": "adapters"}}]}}}, False),
+        {"pvc": {"claimName": "models", "path": "adapters"}}]}}}),
     ("disaggregated decode pool", {"mode": "disaggregated", "kvStore": {"redis": REDIS},
-                                   "pools": {"decode": {"pipelineParallelSize": 2}}}, True),
-    ("disaggregated, direct channel", {**PP2, "mode": "disaggregated", "disaggregation": {"kvChannel": "direct"}},
-     True),
+                                   "pools": {"decode": {"pipelineParallelSize": 2}}}),
+    ("disaggregated, direct channel", {**PP2, "mode": "disaggregated", "disaggregation": {"kvChannel": "direct"}}),
+    ("disaggregated, prefill P 2 x TP 2, decode P 2, host memory, Redis, direct channel", {
+        "mode": "disaggregated", "kvStore": {"hostMemory": "8Gi", "redis": REDIS},
+        "disaggregation": {"kvChannel": "direct"},
+        "pools": {"prefill": {"pipelineParallelSize": 2, "tensorParallelSize": 2},
+                  "decode": {"pipelineParallelSize": 2, "tensorParallelSize": 1}}}),
 ]
+PIPELINE_NAME_MESSAGE = "metadata.name must have at most 40 characters with pipelineParallelSize above 1 (39 with"
+PREFILL_GROUPS = {
+    "the prefill pool's P 2": {"mode": "disaggregated", "pools": {"prefill": {"pipelineParallelSize": 2}}},
+    "the engine's P 2, disaggregated": {**PP2, "mode": "disaggregated"},
+}
+# Some P above 1, but no prefill LeaderWorkerSet: the other pools' names are one character shorter.
+NO_PREFILL_GROUP = {
+    "the decode pool's P 2": {"mode": "disaggregated", "pools": {"decode": {"pipelineParallelSize": 2}}},
+    "the engine's P 2, the prefill pool's 1": {**PP2, "mode": "disaggregated",
+                                               "pools": {"prefill": {"pipelineParallelSize": 1}}},
+    "mixed, an unused prefill pool at P 2": {"pools": {"mixed": {"pipelineParallelSize": 2},
+                                                       "prefill": {"pipelineParallelSize": 2}}},
+}
 CASES = _cases()
 
 
@@ -213,7 +232,7 @@ def test_values_reach_cel_with_kubernetes_types():
     assert set(value["metadata"]) == {"name"}
     # Past int64: refused (the API server cannot decode it), by every rule whose self holds it.
     outcomes = RULES.evaluate(make_isvc({"pools": {"mixed": {"maxReplicas": 1 << 63}}}))
-    assert sorted(o.path for o in outcomes if not o.passed) == ["", "", "spec", "spec", "spec", "spec", "spec",
+    assert sorted(o.path for o in outcomes if not o.passed) == ["", "", "spec", "spec", "spec", "spec",
                                                                   "spec.pools.mixed"]
 
 

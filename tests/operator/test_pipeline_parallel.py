@@ -14,7 +14,7 @@ import kopf
 import kubernetes_validate
 import pytest
 
-from tessera_operator import InvalidInferenceService, validate_inference_service
+from tessera_operator import validate_inference_service
 from tessera_operator.engine_pool import MASTER_PORT, pod_selector
 from tessera_operator.handlers import on_change, on_tick
 from tessera_operator.names import Owner, selector_string
@@ -157,8 +157,12 @@ def test_leader_serves_and_is_probed_workers_run_stages_without_grpc_probes(obje
         assert (flag(args, "--nnodes"), flag(args, "--pipeline-parallel-size")) == ("2", "2")
         assert flag(args, "--master-addr") == "$(LWS_LEADER_ADDRESS)"
         assert flag(args, "--master-port") == str(MASTER_PORT)
-    # Same engine otherwise: the flags differ in the node rank alone.
-    assert [a for a in lead["args"] if a != "0"] == [a for a in work["args"] if a != "$(LWS_WORKER_INDEX)"]
+    # Same engine otherwise: the worker's flags are the leader's less its servers' (it serves nothing)
+    # and its node rank.
+    servers = {"--host", "--grpc-port", "--metrics-port", "--health-port"}
+    assert not servers & set(work["args"])
+    assert [a for i, a in enumerate(lead["args"]) if a not in servers and lead["args"][i - 1] not in servers
+            and a != "0"] == [a for a in work["args"] if a != "$(LWS_WORKER_INDEX)"]
 
 
 def test_the_internal_secret_reaches_every_pod_of_the_group_by_file_never_by_argument(objects):
@@ -240,10 +244,12 @@ def test_the_group_admits_itself_on_every_tcp_port_and_nobody_else(objects):
     {**PP2, "kvStore": {"hostMemory": "8Gi"}},
     {"mode": "disaggregated", "kvStore": {"redis": {"urlSecretRef": {"name": "r"}}},
      "pools": {"prefill": {"pipelineParallelSize": 2}}},
-])
-def test_what_the_engine_refuses_under_pp_is_refused_up_front(change):
-    with pytest.raises(InvalidInferenceService, match="pipelineParallelSize above 1"):
-        validate_inference_service(make_isvc(change))
+], ids=["redis", "host memory", "disaggregated"])
+def test_the_kv_store_and_disaggregation_under_pp_are_accepted(change):
+    """The engine runs the KV store and P/D transfer under pipeline parallelism (the leader assembles
+    whole blocks from every stage's share), so the CRD takes them (tests/operator/test_crd_cel.py
+    checks the CEL side; test_pipeline_parallel_kv.py what each pod of a group gets)."""
+    assert validate_inference_service(make_isvc(change))["spec"]
 
 
 def test_loras_under_pp_are_accepted_and_every_pod_of_the_group_parses_the_lora_flags(tmp_path, monkeypatch):

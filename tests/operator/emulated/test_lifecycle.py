@@ -282,14 +282,52 @@ def test_delete_runs_the_finalizer_and_leaves_the_children_to_garbage_collection
     assert operator.alive
 
 
+def test_disaggregated_pools_under_pipeline_parallelism_are_a_leader_worker_set_each(cluster, operator):
+    """The disaggregated example (Redis, host memory, the direct channel) with prefill P=2 x TP=2 and
+    decode P=2: two owned LeaderWorkerSets of their own layout, no pool Deployment, each Service on
+    leaders, a group policy each; the Redis URL and the inbox on leaders only; Ready once both pools'
+    groups are."""
+    body = example("disaggregated")
+    body["spec"]["pools"]["prefill"].update(pipelineParallelSize=2, tensorParallelSize=2)
+    body["spec"]["pools"]["decode"]["pipelineParallelSize"] = 2
+    name = body["metadata"]["name"]
+    cluster.apply_isvc(body)
+    isvc = applied(cluster, name)
+    paths = {pool: f"{collection('LeaderWorkerSet')}/{name}-{pool}" for pool in ("prefill", "decode")}
+    groups = {pool: wait_for(lambda p=path: cluster.get(p), f"the {pool} LeaderWorkerSet", logs=operator.log)
+              for pool, path in paths.items()}
+    for pool, lws in groups.items():
+        assert lws["metadata"]["ownerReferences"][0]["uid"] == isvc["metadata"]["uid"]
+        assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+        assert cluster.deployment(f"{name}-{pool}") is None
+        service = cluster.get(f"{collection('Service')}/{name}-{pool}")
+        assert service["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+        assert cluster.get(f"{collection('NetworkPolicy')}/{name}-{pool}-group") is not None
+        leader, worker = (lws["spec"]["leaderWorkerTemplate"][t]["spec"]["containers"][0]
+                          for t in ("leaderTemplate", "workerTemplate"))
+        assert "TESSERA_KV_REDIS_URL" in {e["name"] for e in leader["env"]}
+        assert "TESSERA_KV_REDIS_URL" not in {e["name"] for e in worker["env"]}
+        assert ("--kv-inbox-port" in leader["args"]) == (pool == "decode")
+        assert not [a for a in worker["args"] if a.startswith("--kv-")] and "ports" not in worker
+
+    cluster.set_ready(f"{name}-gateway", 1)
+    for pool, path in paths.items():
+        wanted = groups[pool]["spec"]["replicas"]
+        cluster.patch(f"{path}/status", {"status": {"replicas": wanted, "readyReplicas": wanted,
+                                                    "updatedReplicas": wanted}})
+    up = wait_for(lambda: (c := cluster.condition(name)) and c["status"] == "True" and c, "Ready True",
+                  logs=operator.log)
+    assert up["reason"] == "AllComponentsReady"
+    for pool, condition in (("prefill", "PrefillReady"), ("decode", "DecodeReady")):
+        wanted = groups[pool]["spec"]["replicas"]
+        assert cluster.condition(name, condition)["message"] == f"{wanted}/{wanted} groups ready"
+
+
 def test_a_pipeline_parallel_pool_is_a_leader_worker_set_whose_ready_groups_make_it_ready(cluster, operator):
     """engine.pipelineParallelSize 2: a LeaderWorkerSet (owned, groups of 2), no engine Deployment, the
     pool's Service selecting leaders only; the LWS controller's status (ready groups) brings Ready."""
-    body = example("mixed")
+    body = example("mixed")  # with its host-memory KV tier: the leader holds it
     body["spec"].setdefault("engine", {})["pipelineParallelSize"] = 2
-    for field in ("loras", "kvStore"):
-        body["spec"].pop(field, None)
-    body["spec"]["engine"].pop("lora", None)
     name = body["metadata"]["name"]
     cluster.apply_isvc(body)
     isvc = applied(cluster, name)
@@ -316,6 +354,10 @@ def test_a_pipeline_parallel_pool_is_a_leader_worker_set_whose_ready_groups_make
     assert up["reason"] == "AllComponentsReady"
     assert cluster.condition(name, "EngineReady")["message"] == f"{wanted}/{wanted} groups ready"
     assert cluster.isvc(name)["status"]["pools"]["mixed"]["readyReplicas"] == wanted
+
+    leader, worker = (lws["spec"]["leaderWorkerTemplate"][t]["spec"]["containers"][0]["args"]
+                      for t in ("leaderTemplate", "workerTemplate"))
+    assert "--kv-host-bytes" in leader and "--kv-host-bytes" not in worker
 
     # Pipeline parallelism off: the LeaderWorkerSet and its group policy go, a Deployment comes.
     cluster.edit_isvc(name, {"spec": {"engine": {"pipelineParallelSize": 1}}})
