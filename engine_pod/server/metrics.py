@@ -212,7 +212,7 @@ class PipelineStageCollector:
             ("tessera_pipeline_stage_busy_seconds", "Seconds the stage computed within its steps",
              lambda t: t.busy_seconds),
             ("tessera_pipeline_stage_wait_seconds", "Seconds the stage waited within its steps for the previous "
-             "stage's hidden states", lambda t: t.wait_seconds),
+             "stage's hidden states or for the next stage to take its own", lambda t: t.wait_seconds),
         )
         leaders = stage_leaders(self.executor.stage_timings())
         for name, doc, value in families:

@@ -201,7 +201,11 @@ class ModelRunner:
             self.stage_wait_seconds += time.perf_counter() - waited
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, rows, intermediate)
         if not pp.is_last_stage:
+            # A send returns once the next stage takes it, which may be after its previous step:
+            # waiting, not computing.
+            sent = time.perf_counter()
             pp.send_to_next_stage(list(hidden))
+            self.stage_wait_seconds += time.perf_counter() - sent
             hidden = None
         logits = self.model.compute_logits(hidden) if batch.sampling_states and pp.is_last_stage else None
         self.forward_seconds += time.perf_counter() - start

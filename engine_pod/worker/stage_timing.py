@@ -1,5 +1,6 @@
-"""Where a pipeline stage's time goes: computing, or waiting for the previous
-stage's hidden states within a step; the time between steps (waiting for the
+"""Where a pipeline stage's time goes: computing, or waiting within a step for
+the previous stage's hidden states or for the next stage to take its own; the
+time between steps (waiting for the
 engine's next one) is the rest. With one step in flight the stages would take
 turns and each idle about (S - 1) / S of the time; the engine keeps one step
 per stage in flight to hide that bubble, and these figures say how far it
@@ -24,7 +25,8 @@ class StageTiming:
     step_seconds: float
     """Wall time inside those steps."""
     wait_seconds: float
-    """Of which blocked on another stage (or, at TP rank > 0, on the sampled tokens)."""
+    """Of which blocked on another stage: receiving the previous one's hidden
+    states, or handing this one's to the next."""
 
     @property
     def busy_seconds(self) -> float:

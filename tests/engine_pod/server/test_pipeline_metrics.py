@@ -32,7 +32,5 @@ def test_each_stage_reports_its_steps_and_where_their_time_went(tiny_llama, tmp_
         wait = after[("tessera_pipeline_stage_wait_seconds_total", labels)]
         # Six 50-token prompts and 11 more steps each: at least the 11 decode steps ran on every stage.
         assert steps >= 11, (stage, steps)
-        assert busy > 0.0 and wait >= 0.0
-    # Stage 0 embeds and never waits for a previous stage; stage 1 may.
-    assert after[("tessera_pipeline_stage_wait_seconds_total", (("stage", "0"),))] == 0.0
+        assert busy > 0.0 and 0.0 < wait < busy + wait  # each hands over to the other, and computes
     assert ("tessera_steps_in_flight", ()) in after
