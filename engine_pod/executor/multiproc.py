@@ -57,6 +57,7 @@ import torch
 
 from engine_pod.config import EngineConfig, NodeLayout
 from engine_pod.core.scheduler_output import KVConnectorMetadata, ModelRunnerOutput, SchedulerOutput
+from engine_pod.distributed.group_identity import group_identity
 from engine_pod.distributed.join_stop import JOIN_STOP, JoinStopped
 from engine_pod.distributed.node_channel import (
     KEY_PURPOSE,
@@ -211,6 +212,7 @@ class MultiProcExecutor(Executor):
         if not layout.is_leader:
             raise ValueError(f"node_rank={layout.node_rank}: only the leader (node 0) runs the engine core")
         self.layout = layout
+        self._config = config
         self.local_ranks = layout.local_ranks(self.world_size)
         self.on_group_failure: Callable[[str], None] | None = None
         """Called (on a link's thread) when another node is lost, also while no call runs."""
@@ -280,6 +282,13 @@ class MultiProcExecutor(Executor):
                          NodeLink(channel, on_lost=functools.partial(self._node_lost, node_rank)))
             self._nodes.append(node)
             logger.info("engine group: %s joined from %s", node.name(), peer)
+            try:
+                # The node checks it against its own before starting its ranks (group_identity.py).
+                node.link.send(("identity", identity))
+            except ChannelError as e:
+                self._fail(f"lost {node.name()}: {e}")
+
+        identity = group_identity(self._config)
 
         try:
             NodeAcceptor(listener, key, self.layout).run(joined, self._check_alive, JOIN_STOP)
@@ -438,6 +447,8 @@ class MultiProcExecutor(Executor):
                     self._queue_reply(value, rank, pending)
                 elif kind == "reply":
                     self._fail(f"{self._remote_name(node, rank)} failed:\n{value.value}")
+                elif kind == "refused":  # it runs other settings than this leader (group_identity.py)
+                    self._fail(f"{node.name()} refused to join: {value}")
                 else:  # "dead": the node saw one of its ranks die, and stops
                     self._fail(f"{self._remote_name(node, rank)} {value}")
             for sentinel in (r for r in ready if r in by_sentinel):

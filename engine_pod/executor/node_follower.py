@@ -3,7 +3,9 @@
 this node's ranks.
 
 It dials the leader (distributed/node_channel.py: mutual HMAC
-authentication, then MAC'd frames), spawns its local ranks (which join the
+authentication, then MAC'd frames), checks that the leader runs its settings
+(distributed/group_identity.py; on a difference it tells the leader which and
+exits 1 before starting a rank), spawns its local ranks (which join the
 world group at the leader's TCPStore), and then relays: each call from the
 leader goes to its ranks through a shared-memory ring, as on the leader; each
 reply of a local rank goes back to the leader (the ranks themselves decide
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import tempfile
 import threading
 import time
@@ -34,12 +37,14 @@ from engine_pod.distributed.join_stop import JoinStopped
 from engine_pod.distributed.node_channel import (
     KEY_PURPOSE,
     ChannelError,
+    NodeChannel,
     NodeLink,
     connect_to_leader,
     node_channel_port,
 )
 from engine_pod.distributed.shm_broadcast import BroadcastWriter
 from engine_pod.executor.multiproc import _stop_workers, _Worker
+from engine_pod.distributed.group_identity import group_identity, identity_differences
 from engine_pod.worker.stage_timing import StageTimingBoard
 from engine_pod.worker.worker_process import SHUTDOWN, WorkerCall, WorkerSpec, run_worker
 from tessera.internal_secret import InternalSecret
@@ -64,6 +69,10 @@ def run_node(config: EngineConfig, stop: threading.Event) -> int:
         return 0
     except ChannelError as e:
         logger.error("node %d: %s", layout.node_rank, e)
+        return 1
+    refusal = _check_identity(channel, config)
+    if refusal is not None:
+        logger.error("node %d: %s; not joining", layout.node_rank, refusal)
         return 1
     ctx = mp.get_context("spawn")
     # Its ranks' stage figures, which its heartbeats carry to the leader's metrics.
@@ -145,6 +154,30 @@ def _relay(node_rank: int, link: NodeLink, ring: BroadcastWriter, workers: list[
     except ChannelError as e:
         logger.error("node %d: lost the leader (%s); stopping this node's ranks", node_rank, e)
         return False, 1
+
+
+def _check_identity(channel: NodeChannel, config: EngineConfig) -> str | None:
+    """Compare the leader's identity (its first message) with this node's;
+    on a difference, tell the leader which settings differ and return that."""
+    try:
+        message = None
+        while message is None:  # heartbeats may come first
+            message = channel.recv_payload()
+        kind, identity = pickle.loads(message)
+    except (ChannelError, ValueError, TypeError) as e:
+        return f"the leader sent no identity ({e})"
+    if kind != "identity" or not isinstance(identity, dict):
+        return f"the leader sent a {kind!r} message first, not its identity"
+    differences = identity_differences(identity, group_identity(config))
+    if not differences:
+        return None
+    refusal = "it runs other settings than the leader (leader's != node's): " + "; ".join(differences)
+    try:
+        channel.send(("refused", -1, refusal))
+    except ChannelError:
+        pass
+    channel.close()
+    return refusal
 
 
 class _RankDied(Exception):

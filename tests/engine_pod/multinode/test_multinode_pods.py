@@ -228,3 +228,25 @@ def test_the_leaders_metrics_show_the_other_nodes_stage(tiny_llama, tmp_path, ex
     finally:
         node.terminate(timeout=10)
         leader.terminate(timeout=10)
+
+
+def test_a_node_with_other_settings_fails_the_group_at_once_naming_them(tiny_llama, tmp_path):
+    """A node started from another revision (here another --max-model-len): it
+    refuses to join before starting a rank, and the leader fails naming the setting."""
+    port = free_port()
+    leader = EnginePodProcess(tiny_llama, _node_args(port, 0), log_path=tmp_path / "leader.log")
+    other = [a if a != "256" else "128" for a in _node_args(port, 1)]  # POD_ARGS' --max-model-len 256
+    node = _Node(tiny_llama, other, tmp_path / "node.log")
+    try:
+        start = time.monotonic()
+        node_code, leader_code = _wait_exit(node, 60), _wait_exit(leader, 60)
+        elapsed = time.monotonic() - start
+        leader_log = (tmp_path / "leader.log").read_text()
+        assert node_code == 1 and leader_code not in (None, 0), leader_log
+        assert elapsed < 60
+        assert "node 1 (ranks 1-1) refused to join" in leader_log
+        assert "max_model_len: 256 != 128" in leader_log
+        assert "max_model_len: 256 != 128" in (tmp_path / "node.log").read_text()
+    finally:
+        node.terminate(timeout=10)
+        leader.terminate(timeout=10)
