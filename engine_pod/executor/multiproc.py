@@ -57,7 +57,7 @@ import torch
 
 from engine_pod.config import EngineConfig, NodeLayout
 from engine_pod.core.scheduler_output import KVConnectorMetadata, ModelRunnerOutput, SchedulerOutput
-from engine_pod.distributed.group_identity import group_identity
+from engine_pod.executor.group_identity import group_identity
 from engine_pod.distributed.join_stop import JOIN_STOP, JoinStopped
 from engine_pod.distributed.node_channel import (
     KEY_PURPOSE,

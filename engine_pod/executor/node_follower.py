@@ -4,7 +4,7 @@ this node's ranks.
 
 It dials the leader (distributed/node_channel.py: mutual HMAC
 authentication, then MAC'd frames), checks that the leader runs its settings
-(distributed/group_identity.py; on a difference it tells the leader which and
+(executor/group_identity.py; on a difference it tells the leader which and
 exits 1 before starting a rank), spawns its local ranks (which join the
 world group at the leader's TCPStore), and then relays: each call from the
 leader goes to its ranks through a shared-memory ring, as on the leader; each
@@ -44,7 +44,7 @@ from engine_pod.distributed.node_channel import (
 )
 from engine_pod.distributed.shm_broadcast import BroadcastWriter
 from engine_pod.executor.multiproc import _stop_workers, _Worker
-from engine_pod.distributed.group_identity import group_identity, identity_differences
+from engine_pod.executor.group_identity import group_identity, identity_differences
 from engine_pod.worker.stage_timing import StageTimingBoard
 from engine_pod.worker.worker_process import SHUTDOWN, WorkerCall, WorkerSpec, run_worker
 from tessera.internal_secret import InternalSecret

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine_pod.config import create_engine_config
-from engine_pod.distributed.group_identity import group_identity, identity_differences
+from engine_pod.executor.group_identity import group_identity, identity_differences
 
 
 def _identity(model, **kw) -> dict[str, str]:
