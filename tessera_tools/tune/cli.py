@@ -7,6 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tessera_tools.bench.flags import positive_float
 from tessera_tools.tune.knobs import KNOWN, Knob, check_mode, current, default_knobs, parse_knob
 from tessera_tools.tune.search import Trial, best_of, search
 from tessera_tools.tune.slo import parse_slo
@@ -31,7 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dataset", default=None, help="JSONL of requests instead of the synthetic ones "
                                                    "(tessera bench serve's format)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds each start may take")
+    p.add_argument("--ready-timeout", type=positive_float, default=300.0, help="seconds each start may take")
     p.add_argument("--simulate", default=None, metavar="PROFILE",
                    help="simulated engine pods with this step-time profile (engine_pod/sim/profiles): fleet-scale "
                         "questions (many replicas, a GPU's step times) on this machine")

@@ -36,6 +36,7 @@ from engine_pod.server.process import health_status
 from gateway.process import gateway_health
 from tessera.child_process import ChildProcess, free_port, free_port_pair
 from tessera.internal_secret import SECRET_ENV, SECRET_FILE_ENV, SECRET_KEY, InternalSecret, InternalSecretError
+from tessera_tools.bench.flags import positive_float
 from tessera_tools.up.child_group import ChildGroup, Member
 from tessera_tools.up.plan import EngineChild, LocalOptions, LocalPlan, build_plan, state_dir
 from tessera_tools.up.ports import check_ports
@@ -59,7 +60,8 @@ def add_parser(sub) -> None:
     p.add_argument("--log-dir", default=None,
                    help="child logs and what outlives a run, such as spec.batch.volume's folder "
                         "(default: .tessera/up/NAME)")
-    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every pod to serve")
+    p.add_argument("--ready-timeout", type=positive_float, default=300.0,
+                   help="seconds to wait for every pod to serve")
     p.add_argument("--simulate", default=None, metavar="PROFILE",
                    help="simulate every engine pod with this step-time profile (engine_pod/sim/profiles; no model "
                         "compute, no torch): a fleet of many pods on one machine")
@@ -93,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
                            grpc_port=args.grpc_port, metrics_port=args.metrics_port, tenants_file=args.tenants_file,
                            redis_url=args.redis_url, pin_cpus=not args.no_pin, state_dir=log_dir,
                            simulate=args.simulate)
+    if options.simulate is not None and not Path(options.simulate).is_file():
+        raise ValueError(f"--simulate {options.simulate}: no such step-time profile (see engine_pod/sim/profiles)")
     # Before any child starts: a taken port is a one-line error now, not a gateway that exits at every restart.
     check_ports(options.host, {"--http-port": options.http_port, "--grpc-port": options.grpc_port,
                                "--metrics-port": options.metrics_port})

@@ -102,10 +102,15 @@ def test_pool_sizes_are_knobs_of_a_disaggregated_service_only():
     (["--request-rates", "4,2"], _resource(), "ascending"),
     (["--simulate", "no-such-profile.json"], _resource(), "no such profile"),
     ([], _resource(max_num_seqs=0), "maxNumSeqs"),
+    (["--ready-timeout", "0"], _resource(), "must be a number > 0"),
+    (["--ready-timeout", "nan"], _resource(), "must be a number > 0"),
 ])
 def test_bad_inputs_exit_2_before_anything_starts(tmp_path, models_dir, capsys, argv, resource, message):
-    rc = main(["tune", "-f", str(_write(tmp_path, resource)), "--models-dir", str(models_dir),
-               "--slo", "e2el:p99:60000", *argv, "--output-dir", str(tmp_path / "out")])
+    try:
+        rc = main(["tune", "-f", str(_write(tmp_path, resource)), "--models-dir", str(models_dir),
+                   "--slo", "e2el:p99:60000", *argv, "--output-dir", str(tmp_path / "out")])
+    except SystemExit as e:  # a flag's own type refuses it (argparse)
+        rc = e.code
     assert rc == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 

@@ -126,3 +126,15 @@ def test_stopping_ends_with_a_closing_line(tiny_llama, tmp_path):
     lines = log.read_text().strip().splitlines()
     assert lines[-1] == "tessera up: stopped 3 processes", lines
     assert not any(_alive(pid) for pid in children)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ready-timeout", "0"], "--ready-timeout: must be a number > 0"),
+    (["--ready-timeout", "inf"], "--ready-timeout: must be a number > 0"),
+    (["--simulate", "no-such-profile.json"], "--simulate no-such-profile.json: no such step-time profile"),
+])
+def test_bad_flags_exit_2_before_anything_starts(tiny_llama, tmp_path, flags, message):
+    result = subprocess.run(_up(tiny_llama.parent, tmp_path, *flags), capture_output=True, text=True, timeout=60,
+                            cwd=ROOT)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not list(tmp_path.iterdir())  # nothing started: no child log, no secret file
