@@ -1,5 +1,4 @@
-"""Process groups and the broadcast channel of tensor-parallel workers."""
-
-from engine_pod.distributed.parallel_state import TensorParallelGroup, init_tensor_parallel_group, single_rank_group
-
-__all__ = ["TensorParallelGroup", "init_tensor_parallel_group", "single_rank_group"]
+"""Process groups of the parallel workers, the broadcast channel, and the
+engine group's control channel. Nothing is imported here: the control
+channel and the stop event are torch-free (a simulated pod imports them),
+the process groups are not (import engine_pod.distributed.parallel_state)."""
