@@ -52,6 +52,8 @@ from tessera.internal_secret import InternalSecret
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.5
+# The leader sends its identity as soon as a node joins: a leader that does not within this is not one.
+IDENTITY_TIMEOUT_SECONDS = 10.0
 
 
 def run_node(config: EngineConfig, stop: threading.Event) -> int:
@@ -159,9 +161,12 @@ def _relay(node_rank: int, link: NodeLink, ring: BroadcastWriter, workers: list[
 def _check_identity(channel: NodeChannel, config: EngineConfig) -> str | None:
     """Compare the leader's identity (its first message) with this node's;
     on a difference, tell the leader which settings differ and return that."""
+    deadline = time.monotonic() + IDENTITY_TIMEOUT_SECONDS
     try:
         message = None
-        while message is None:  # heartbeats may come first
+        while message is None:  # heartbeats may come first, but not for long
+            if time.monotonic() >= deadline:
+                raise ChannelError(f"nothing but heartbeats for {IDENTITY_TIMEOUT_SECONDS:.0f}s")
             message = channel.recv_payload()
         kind, identity = pickle.loads(message)
     except (ChannelError, ValueError, TypeError) as e:

@@ -189,31 +189,16 @@ def test_a_rank_killed_on_the_node_mid_request_fails_the_leader_naming_node_and_
         leader.terminate(timeout=10)
 
 
-def test_sigterm_to_the_leader_stops_the_whole_group_cleanly(tiny_llama, tmp_path, expected):
-    """A drained leader shuts its node down: both exit 0, and the node closing
-    its link after the shutdown is not a lost node (a rollout is not a failure)."""
+def test_the_leaders_metrics_show_the_nodes_stage_and_sigterm_stops_the_group_cleanly(tiny_llama, tmp_path, expected):
+    """Stage 1 runs on the node: its figures reach the leader's /metrics with the
+    node's heartbeats. Then a drained leader shuts its node down: both exit 0, and
+    the node closing its link after the shutdown is not a lost node (a rollout is
+    not a failure)."""
     leader, node = _start_group(tiny_llama, tmp_path)
     try:
         leader.wait_serving(timeout=120)
         got = asyncio.run(generate_all(leader.address, [greedy(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]))
         assert got == expected
-        leader.proc.send_signal(signal.SIGTERM)
-        leader_code, node_code = _wait_exit(leader, 30), _wait_exit(node, 30)
-        text = (tmp_path / "leader.log").read_text()
-        logs = f"leader:\n{text}\nnode:\n{(tmp_path / 'node.log').read_text()}"
-        assert (leader_code, node_code) == (0, 0), logs
-        assert "lost node" not in text, logs
-    finally:
-        node.terminate(timeout=10)
-        leader.terminate(timeout=10)
-
-
-def test_the_leaders_metrics_show_the_other_nodes_stage(tiny_llama, tmp_path, expected):
-    """Stage 1 runs on the node: its figures reach the leader's /metrics with the node's heartbeats."""
-    leader, node = _start_group(tiny_llama, tmp_path)
-    try:
-        leader.wait_serving(timeout=120)
-        asyncio.run(generate_all(leader.address, [greedy(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]))
         deadline = time.monotonic() + 5  # a heartbeat a second carries the node's figures
         steps: dict[str, float] = {}
         while time.monotonic() < deadline and steps.get("1", 0.0) < max(MAX_TOKENS):
@@ -223,8 +208,13 @@ def test_the_leaders_metrics_show_the_other_nodes_stage(tiny_llama, tmp_path, ex
             time.sleep(0.2)
         # Every decode step ran on both stages.
         assert steps.get("0", 0.0) >= max(MAX_TOKENS) and steps.get("1", 0.0) >= max(MAX_TOKENS), steps
-        busy = samples[("tessera_pipeline_stage_busy_seconds_total", (("stage", "1"),))]
-        assert busy > 0.0
+        assert samples[("tessera_pipeline_stage_busy_seconds_total", (("stage", "1"),))] > 0.0
+        leader.proc.send_signal(signal.SIGTERM)
+        leader_code, node_code = _wait_exit(leader, 30), _wait_exit(node, 30)
+        text = (tmp_path / "leader.log").read_text()
+        logs = f"leader:\n{text}\nnode:\n{(tmp_path / 'node.log').read_text()}"
+        assert (leader_code, node_code) == (0, 0), logs
+        assert "lost node" not in text, logs
     finally:
         node.terminate(timeout=10)
         leader.terminate(timeout=10)
@@ -250,3 +240,43 @@ def test_a_node_with_other_settings_fails_the_group_at_once_naming_them(tiny_lla
     finally:
         node.terminate(timeout=10)
         leader.terminate(timeout=10)
+
+
+def test_a_leader_that_never_sends_its_identity_is_left_within_seconds(tiny_llama, tmp_path):
+    """Something that authenticates as the leader (it holds the secret) but only
+    heartbeats: the node gives up after its identity deadline instead of waiting forever."""
+    import socket
+    import threading
+
+    from engine_pod.distributed.node_channel import KEY_PURPOSE, accept_node, node_channel_port
+    from engine_pod.executor.node_follower import IDENTITY_TIMEOUT_SECONDS
+    from tessera.internal_secret import InternalSecret
+
+    port = free_port()
+    listener = socket.create_server(("127.0.0.1", node_channel_port(port)))
+    key = InternalSecret.require("test").derive(KEY_PURPOSE)
+    done = threading.Event()
+
+    def heartbeats_only() -> None:
+        sock, address = listener.accept()
+        _, channel = accept_node(sock, f"{address[0]}:{address[1]}", key)
+        while not done.wait(0.5):
+            try:
+                channel.send_heartbeat()
+            except OSError:
+                return
+        channel.close()
+
+    threading.Thread(target=heartbeats_only, daemon=True).start()
+    node = _Node(tiny_llama, _node_args(port, 1), tmp_path / "node.log")
+    try:
+        start = time.monotonic()
+        code = _wait_exit(node, IDENTITY_TIMEOUT_SECONDS + 20)
+        assert code == 1, (tmp_path / "node.log").read_text()
+        assert time.monotonic() - start < IDENTITY_TIMEOUT_SECONDS + 20
+        assert "the leader sent no identity (nothing but heartbeats for 10s)" in (tmp_path / "node.log").read_text()
+        assert not _ranks_of(node.proc.pid)
+    finally:
+        done.set()
+        listener.close()
+        node.terminate(timeout=10)
