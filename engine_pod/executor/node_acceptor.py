@@ -113,9 +113,10 @@ class NodeAcceptor:
         peer = f"{address[0]}:{address[1]}"
         with self._lock:
             if len(self._handshaking) >= self.max_handshakes:
-                sock.close()
+                # Logged before the close, so whoever sees the connection end finds the reason logged.
                 logger.warning("engine group: dropped a connection from %s: %d handshakes already in progress",
                                peer, self.max_handshakes)
+                sock.close()
                 return
             thread = threading.Thread(target=self._handshake, args=(sock, peer), daemon=True,
                                       name=f"node-handshake-{peer}")
