@@ -72,7 +72,7 @@ def run_node(config: EngineConfig, stop: threading.Event) -> int:
     except ChannelError as e:
         logger.error("node %d: %s", layout.node_rank, e)
         return 1
-    refusal = _check_identity(channel, config)
+    refusal = check_identity(channel, config)
     if refusal is not None:
         logger.error("node %d: %s; not joining", layout.node_rank, refusal)
         return 1
@@ -158,15 +158,17 @@ def _relay(node_rank: int, link: NodeLink, ring: BroadcastWriter, workers: list[
         return False, 1
 
 
-def _check_identity(channel: NodeChannel, config: EngineConfig) -> str | None:
-    """Compare the leader's identity (its first message) with this node's;
-    on a difference, tell the leader which settings differ and return that."""
-    deadline = time.monotonic() + IDENTITY_TIMEOUT_SECONDS
+def check_identity(channel: NodeChannel, config: EngineConfig,
+                   timeout_s: float = IDENTITY_TIMEOUT_SECONDS) -> str | None:
+    """Compare the leader's identity (its first message, due within
+    ``timeout_s``) with this node's; on a difference, tell the leader which
+    settings differ and return that (None: the same settings)."""
+    deadline = time.monotonic() + timeout_s
     try:
         message = None
         while message is None:  # heartbeats may come first, but not for long
             if time.monotonic() >= deadline:
-                raise ChannelError(f"nothing but heartbeats for {IDENTITY_TIMEOUT_SECONDS:.0f}s")
+                raise ChannelError(f"nothing but heartbeats for {timeout_s:g}s")
             message = channel.recv_payload()
         kind, identity = pickle.loads(message)
     except (ChannelError, ValueError, TypeError) as e:

@@ -24,3 +24,57 @@ def test_the_same_settings_agree_and_each_difference_is_named(tiny_llama, tiny_q
 
 def test_a_setting_only_one_side_has_is_a_difference():
     assert identity_differences({"a": "1"}, {"a": "1", "b": "2"}) == ["b: (absent) != 2"]
+
+
+def _channels():
+    """(leader channel, node channel) over a socket pair."""
+    import socket
+
+    from engine_pod.distributed.node_channel import NodeChannel
+
+    a, b = socket.socketpair()
+    key = b"k" * 32
+    return NodeChannel(a, key, is_leader=True, peer="node 1"), NodeChannel(b, key, is_leader=False, peer="leader")
+
+
+def test_a_node_checks_the_leaders_identity_and_names_what_differs(tiny_llama):
+    import pickle
+
+    from engine_pod.executor.node_follower import check_identity
+
+    config = create_engine_config(str(tiny_llama), device="cpu", kv_cache_memory_bytes=16 << 20, max_model_len=256)
+    leader, node = _channels()
+    leader.send(("identity", group_identity(config)))
+    assert check_identity(node, config) is None
+
+    leader, node = _channels()
+    leader.send(("identity", _identity(tiny_llama, max_model_len=128)))
+    refusal = check_identity(node, config)
+    assert refusal is not None and "max_model_len: 128 != 256" in refusal
+    assert pickle.loads(leader.recv_payload()) == ("refused", -1, refusal)  # the leader learns why
+
+
+def test_a_leader_that_only_heartbeats_is_left_at_the_identity_deadline(tiny_llama):
+    """Something that authenticates as the leader (it holds the key) but never
+    sends its identity: the node gives up at the deadline instead of waiting forever."""
+    import threading
+    import time
+
+    from engine_pod.executor.node_follower import check_identity
+
+    config = create_engine_config(str(tiny_llama), device="cpu", kv_cache_memory_bytes=16 << 20)
+    leader, node = _channels()
+    done = threading.Event()
+
+    def heartbeats_only() -> None:
+        while not done.wait(0.1):
+            leader.send_heartbeat()
+
+    threading.Thread(target=heartbeats_only, daemon=True).start()
+    try:
+        start = time.monotonic()
+        refusal = check_identity(node, config, timeout_s=0.5)
+        assert time.monotonic() - start < 2
+        assert refusal == "the leader sent no identity (nothing but heartbeats for 0.5s)"
+    finally:
+        done.set()

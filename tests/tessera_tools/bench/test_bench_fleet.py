@@ -264,7 +264,7 @@ def test_tiny_fleet_end_to_end(tiny_llama, fast_profile, tmp_path, capsys):
     # (768 tokens): round robin spreads every tenant over every pod and
     # keeps evicting; the scorer keeps tenants and conversations in place.
     args = _parse(["--model", str(tiny_llama), "--profile", str(fast_profile), "--pods", "4", "--gateways", "1",
-                   "--policies", "round_robin,score", "--workloads", "shared-prefix", "--duration", "8",
+                   "--policies", "round_robin,score", "--workloads", "shared-prefix", "--duration", "5",
                    "--rate", "5", "--kv-blocks", "48", "--tenants-per-pod", "2", "--system-prompt-len", "100,200",
                    "--user-len", "10,30", "--output-len", "4,8", "--think-time", "0.5", "--slo", "ttft=5000,itl=1000",
                    "--no-progress", "--output", str(out), "--plots", str(plots), "--logs", str(tmp_path / "logs")])

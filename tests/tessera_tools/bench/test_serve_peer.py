@@ -215,14 +215,14 @@ def test_the_command_runs_both_servers_turn_about_and_reports_the_verdict(fake_v
     out = tmp_path / "report.json"
     code = main(["bench", "serve", "--peer", "vllm", "--serve-model", str(tiny_llama), "--dtype", "float32",
                  "--max-model-len", "256", "--kv-cache-gib", "1", "--num-prompts", "6", "--max-prompt-len", "40",
-                 "--max-output-len", "6", "--request-rates", "4,inf", "--rounds", "2", "--cooldown", "1",
+                 "--max-output-len", "6", "--request-rates", "8,inf", "--rounds", "2", "--cooldown", "0",
                  "--goodput", "ttft:30000",
                  "--metric-percentiles", "50", "--disable-tqdm", "--logs", str(tmp_path / "logs"),
                  "--output-json", str(out)])
     assert code == 0, (tmp_path / "logs" / "pod.log").read_text()[-2000:]
     report = json.loads(out.read_text())
-    assert report["rates"] == [4.0, "inf"] and report["peer"]["settings"]["dtype"] == "float32"
-    assert report["cooldown_s"] == 1
+    assert report["rates"] == [8.0, "inf"] and report["peer"]["settings"]["dtype"] == "float32"
+    assert report["cooldown_s"] == 0  # not the default 10
     for side in ("tessera", "vllm"):
         assert [len(rounds) for rounds in report["runs"][side]] == [2, 2]
         for rounds in report["runs"][side]:
@@ -231,8 +231,8 @@ def test_the_command_runs_both_servers_turn_about_and_reports_the_verdict(fake_v
             assert all(run["request_goodput"] == pytest.approx(run["request_throughput"]) for run in rounds)
             assert all(run["p99_ttft_ms"] > 0 for run in rounds)
     found = report["verdict"]
-    if found is not None:  # at most rate 4 (inf is never "sustained")
-        assert found["request_rate"] == 4.0
+    if found is not None:  # at most rate 8 (inf is never "sustained")
+        assert found["request_rate"] == 8.0
         medians = report["medians"]
         assert found["goodput_ratio"] == pytest.approx(medians["tessera"][0]["request_goodput"]
                                                        / medians["vllm"][0]["request_goodput"])
