@@ -361,6 +361,13 @@ return 0
 """
 
 
+# Every command RedisStore sends (pipelines are MULTI/EXEC transactions; the lease scripts run
+# by EVALSHA, loaded by SCRIPT LOAD when Redis lacks them): what a Redis ACL user confined to
+# the batch key prefix needs (docs/security.md).
+BATCH_REDIS_COMMANDS = ("get", "set", "mget", "exists", "del", "hset", "hgetall", "sadd", "srem", "smembers",
+                        "scard", "zadd", "zrem", "zrevrange", "multi", "exec", "evalsha", "script|load")
+
+
 class RedisStore(BatchStore):
     """Shared by every replica. Keys (under `prefix`): file:<t>:<id> (record),
     filedata:<t>:<id>, files:<t> (set of ids), batch:<t>:<id>, batches:<t>

@@ -21,15 +21,51 @@ FILE = "file-" + "b" * 32
 KEY = bytes(range(32))
 
 
-@pytest.fixture(params=["directory", "redis", "directory-signed", "redis-signed"])
+@pytest.fixture(params=["directory", "redis", "directory-signed", "redis-signed", "redisacl-signed"])
 def open_store(request, tmp_path):
-    """A factory: each call opens the same store anew, as a restarted gateway would."""
+    """A factory: each call opens the same store anew, as a restarted gateway would.
+    `redisacl`: as a Redis user allowed only BATCH_REDIS_COMMANDS on the store's
+    prefix (docs/security.md), and no command of the test may have been denied."""
     kind, _, signed = request.param.partition("-")
     key = KEY if signed else None
     if kind == "directory":
         return lambda: DirectoryStore(tmp_path / "store", key)
     server = request.getfixturevalue("redis_server")
-    return lambda: RedisStore(server.url, "test:batch:", key)
+    if kind == "redis":
+        return lambda: RedisStore(server.url, "test:batch:", key)
+    url = _confined_user(server, "tessera:team-a/llama:batch:")
+    request.addfinalizer(lambda: _assert_nothing_denied(server))
+    return lambda: RedisStore(url, "tessera:team-a/llama:batch:", key)
+
+
+def _confined_user(server, prefix: str) -> str:
+    """The URL of a Redis user allowed exactly BATCH_REDIS_COMMANDS on keys under `prefix`."""
+    from gateway.batch.store import BATCH_REDIS_COMMANDS
+
+    server.client.execute_command("ACL", "SETUSER", "batch-gateway", "on", ">gateway-password-0123", "resetkeys",
+                                  f"~{prefix}*", "resetchannels", "-@all", *[f"+{c}" for c in BATCH_REDIS_COMMANDS])
+    return f"redis://batch-gateway:gateway-password-0123@127.0.0.1:{server.port}/0"
+
+
+def _assert_nothing_denied(server) -> None:
+    assert server.client.execute_command("ACL", "LOG") == []
+
+
+def test_a_confined_batch_user_cannot_touch_another_prefix(redis_server):
+    url = _confined_user(redis_server, "tessera:team-a/llama:batch:")
+    store = RedisStore(url, "tessera:team-b/llama:batch:", KEY)
+
+    async def run():
+        try:
+            await store.put_file("t", new_file_record(FILE, "in.jsonl", 1, "batch"), b"x")
+        finally:
+            await store.close()
+
+    import redis.exceptions
+
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        asyncio.run(run())
+    assert redis_server.client.keys("*") == []
 
 
 def test_files_batches_and_results_survive_reopening(open_store):
