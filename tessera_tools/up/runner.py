@@ -11,10 +11,11 @@ crashes is restarted with back-off.
 Each run generates its own internal secret (what the operator's Secret is in
 a cluster), writes it to a file only this user may read, and names the file
 to every child by environment: no credential is ever on a command line. A
-run that keeps Batch API files in a folder (spec.batch.volume) keeps its
-secret too, in the same state directory, and the next run reuses it: the
-gateway signs the batch records with a key derived from it, so a new secret
-would make every stored file and batch unreadable.
+run whose Batch API files outlive it (in spec.batch.volume's folder, or in a
+Redis given by --redis-url) keeps its secret too, in the same state
+directory, and the next run reuses it: the gateway signs the batch records
+with a key derived from it, so a new secret would make every stored file and
+batch unreadable.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
         plan = build_plan(resource, options, free_port, free_port_pair)
         log_dir = state_dir(options, plan.name)
         log_dir.mkdir(parents=True, exist_ok=True)
-        return _serve(plan, options, log_dir, args.ready_timeout, supervisor)
+        return _serve(plan, options, log_dir, args.ready_timeout, supervisor,
+                      keep_secret=batches_outlive_the_run(plan, own_redis=redis is not None))
     finally:
         stopped = supervisor.num_stopped
         if redis is not None:
@@ -117,6 +119,13 @@ def run(args: argparse.Namespace) -> int:
             stopped += 1
         if stopped:  # the last line of every run that started something
             print(f"tessera up: stopped {stopped} process{'es' if stopped != 1 else ''}", flush=True)
+
+
+def batches_outlive_the_run(plan: LocalPlan, own_redis: bool) -> bool:
+    """Whether the Batch API's records outlive this run: in spec.batch.volume's folder, or in a
+    Redis given by --redis-url (the run's own redis-server keeps nothing once stopped). The gateway
+    signs them with a key derived from the internal secret, so such a run keeps its secret."""
+    return plan.batch_directory is not None or (plan.batch and not own_redis)
 
 
 def _start_redis(workdir: Path):
@@ -158,13 +167,11 @@ def kept_secret_file(path: Path) -> Path:
 
 
 def _serve(plan: LocalPlan, options: LocalOptions, log_dir: Path, ready_timeout: float,
-           supervisor: Supervisor) -> int:
-    """Runs the platform's children under `supervisor` until a signal, then stops them."""
+           supervisor: Supervisor, keep_secret: bool) -> int:
+    """Runs the platform's children under `supervisor` until a signal, then stops them.
+    `keep_secret`: reuse the secret the last run left (batches_outlive_the_run); else make one."""
     for warning in plan.warnings:
         logger.warning("up: %s", warning)
-    # A Batch API folder outlives the run, and its records are signed with a key derived from the secret:
-    # such a run keeps its secret for the next one; any other run makes its own.
-    keep_secret = plan.batch_directory is not None
     secret_path = log_dir / SECRET_KEY
     secret_file = kept_secret_file(secret_path) if keep_secret else write_secret_file(secret_path,
                                                                                         InternalSecret.generate())

@@ -361,6 +361,24 @@ def test_a_batch_run_keeps_its_secret_for_the_next_one(tmp_path):
     assert InternalSecret.load(path) is not None
 
 
+def test_a_run_keeps_its_secret_exactly_when_its_batches_outlive_it(tiny_llama, tmp_path):
+    """Batches in a folder or in a Redis given by --redis-url outlive the run: it keeps its secret. In
+    the run's own redis-server (stopped with it), or without the Batch API, each run makes its own."""
+    from tessera_tools.up.runner import batches_outlive_the_run
+
+    options = LocalOptions(models_dir=tiny_llama.parent, redis_url="redis://127.0.0.1:7777/0",
+                           state_dir=tmp_path / "state")
+    in_redis = _example("local-disaggregated.yaml")
+    in_redis["spec"]["batch"] = {"redis": {"urlSecretRef": {"name": "batch-redis"}}}
+    redis_plan = build_plan(in_redis, options, _ports())
+    assert batches_outlive_the_run(redis_plan, own_redis=False)
+    assert not batches_outlive_the_run(redis_plan, own_redis=True)
+    folder_plan = build_plan(_example("local-batch.yaml"), options, _ports())
+    assert folder_plan.batch_directory is not None and batches_outlive_the_run(folder_plan, own_redis=True)
+    no_batch = build_plan(_example("local-disaggregated.yaml"), options, _ports())
+    assert not no_batch.batch and not batches_outlive_the_run(no_batch, own_redis=False)
+
+
 def test_simulated_pods_take_the_profile_and_compute_in_no_dtype(tiny_llama):
     options = LocalOptions(models_dir=tiny_llama.parent, cpus=(0, 1), simulate="engine_pod/sim/profiles/bench-cpu.json")
     plan = build_plan(_example("local.yaml"), options, _ports())
