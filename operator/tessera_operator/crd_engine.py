@@ -161,7 +161,9 @@ def _pool() -> Schema:
         "gpus": integer("GPUs per pod (default: the pool's tensorParallelSize; 0 runs on CPU). Under pipeline "
                         "parallelism, per pod of a group (one stage).", minimum=0),
         "resources": resources("CPU and memory of each engine pod (GPUs come from `gpus`); memory must hold "
-                               "the process plus kvStore.hostMemory."),
+                               "the process plus kvStore.hostMemory. Under pipeline parallelism, the "
+                               "groups' leaders get it as is and their workers less kvStore.hostMemory "
+                               "(the leader alone holds the host tier)."),
         "nodeSelector": string_map("Node labels the pods must match."),
         "tolerations": _tolerations(),
     }, default={}, rules=[(MIN_LE_MAX_RULE, "minReplicas must not exceed maxReplicas")])
@@ -244,7 +246,8 @@ def kv_store_schema() -> Schema:
                                            default_key="url"),
             "tls": redis_tls_schema("engine pods"),
             "podSelector": string_map("Labels of the Redis pods (in this namespace): a NetworkPolicy then "
-                                      "admits only this InferenceService's engine pods to them, and its "
+                                      "admits only this InferenceService's engine pods to them (of a "
+                                      "pipeline-parallel pool, the groups' leaders), and its "
                                       "gateway pods too with batch.redis, on `port` (absent: no policy for "
                                       "Redis). The policy isolates those pods: replication or monitoring "
                                       "traffic to them needs a policy of its own."),

@@ -7,14 +7,15 @@ runs the engine core: it serves gRPC, health and metrics as a Deployment's pod d
 the KV store (host tier, Redis, a decode pod's inbox), assembling whole blocks from every
 stage's share. The workers (the other stages) run only their ranks: no port of their own, no
 KV store flag, no Redis credential or certificate, the internal secret alone (the group's pods
-authenticate each other with it). The pool's Service selects leaders only, so the gateway, and
-through it a prefill pod pushing KV, reaches them alone. A lost stage restarts its whole group
-(RecreateGroupOnPodRestart).
+authenticate each other with it), and the pool's memory less the host tier they do not hold.
+The pool's Service selects leaders only, so the gateway, and through it a prefill pod pushing
+KV, reaches them alone. A lost stage restarts its whole group (RecreateGroupOnPodRestart).
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 from kubernetes.utils.quantity import parse_quantity
 
@@ -102,7 +103,7 @@ def _kv_store_args(owner: Owner, spec: dict) -> list[str]:
     """The KV store's tiers: the host-memory one, and Redis."""
     kv = spec["kvStore"]
     args = []
-    host_bytes = int(parse_quantity(kv["hostMemory"]))
+    host_bytes = _host_tier_bytes(spec)
     if host_bytes > 0:
         args += ["--kv-host-bytes", str(host_bytes)]
     if "redis" in kv:
@@ -111,6 +112,11 @@ def _kv_store_args(owner: Owner, spec: dict) -> list[str]:
         args += ["--kv-redis-key-prefix", names.redis_key_prefix(owner),
                  "--kv-redis-timeout", str(kv["redis"]["timeoutSeconds"])]
     return args
+
+
+def _host_tier_bytes(spec: dict) -> int:
+    """kvStore.hostMemory in bytes (0: no host tier), held in the engine core's process alone."""
+    return int(parse_quantity(spec["kvStore"]["hostMemory"]))
 
 
 def _background_args(spec: dict) -> list[str]:
@@ -241,6 +247,29 @@ def _runs_core(node_rank: str | None) -> bool:
     return node_rank in (None, "0")
 
 
+def _pod_resources(spec: dict, role: str, core: bool) -> dict:
+    """The requests and limits of one of the pool's pods (`core`: it runs the engine core). The pool's
+    memory holds the process plus kvStore.hostMemory (its CRD description), and the host tier lives
+    in the engine core's process alone: a group's worker reserves the same less the tier."""
+    resources = spec["pools"][role]["resources"]
+    return resources if core else _without_host_tier(resources, _host_tier_bytes(spec))
+
+
+def _without_host_tier(resources: dict, host_bytes: int) -> dict:
+    """`resources` with `host_bytes` taken off each memory figure (requests, limits). Where a figure
+    cannot hold the tier, the pool's memory was not sized as the CRD says and the tier's share of
+    it is unknown: every figure stays as it is (too much reserved, never too little; taking the
+    same amount off both or neither keeps requests within limits)."""
+    memory = {kind: parse_quantity(figures["memory"]) for kind, figures in resources.items()
+              if "memory" in figures}
+    if not host_bytes or not memory or min(memory.values()) <= host_bytes:
+        return resources
+    out = {kind: dict(figures) for kind, figures in resources.items()}
+    for kind, figure in memory.items():
+        out[kind]["memory"] = str(math.ceil(figure - host_bytes))  # whole bytes, rounded up
+    return out
+
+
 def _container(owner: Owner, spec: dict, role: str, node_rank: str | None = None) -> dict:
     """The engine container; `node_rank` in a pipeline-parallel group ("0": the leader, which serves
     and is probed as a Deployment's pod is; else a worker, which serves nothing, has no probe and
@@ -260,7 +289,7 @@ def _container(owner: Owner, spec: dict, role: str, node_rank: str | None = None
         "command": ["tessera"],
         "args": args,
         **({"ports": ports} if ports else {}),
-        "resources": pod_parts.resources(spec["pools"][role]["resources"], pool_gpus(spec, role),
+        "resources": pod_parts.resources(_pod_resources(spec, role, core), pool_gpus(spec, role),
                                          engine["gpuResourceName"]),
         **(_probes() if core else {}),
         "lifecycle": pod_parts.prestop_sleep(),

@@ -13,7 +13,8 @@
   say "the same group", so the groups of one pool admit each other; no other pod gets past the
   engine policy's ports.
 - Redis, when kvStore.redis.podSelector names its pods: only this InferenceService's engine pods
-  (and its gateway pods when spec.batch.redis keeps the Batch API there), on kvStore.redis.port.
+  (of a pipeline-parallel pool, its leaders: workers never reach Redis) and its gateway pods when
+  spec.batch.redis keeps the Batch API there, on kvStore.redis.port.
 
 Only Ingress is restricted. Traffic from a pod's own node (kubelet probes) is always allowed.
 Policies add up: two InferenceServices sharing one Redis both get in.
@@ -22,6 +23,7 @@ Policies add up: two InferenceServices sharing one Redis both get in.
 from __future__ import annotations
 
 from tessera_operator import batch, engine_pool, gateway, names, pod_parts
+from tessera_operator.crd_engine import POOL_NAMES
 from tessera_operator.names import Owner
 
 API_VERSION = "networking.k8s.io/v1"
@@ -92,15 +94,23 @@ def gateway_policy(owner: Owner, spec: dict, operator_namespace: str | None) -> 
                    names.selector(owner, "gateway"), ingress)
 
 
+def _redis_engine_peers(owner: Owner, spec: dict) -> list[dict]:
+    """The engine pods that talk to Redis: each pool's serving pods, as its Service selects them (of a
+    pipeline-parallel pool, the leaders: the engine core holds the KV store; workers get no Redis URL).
+    Every pool, active or not, as the policy did before: a pool's pods still draining after a mode
+    switch keep their KV traffic."""
+    return [{"podSelector": {"matchLabels": engine_pool.pod_selector(owner, spec, role)}} for role in POOL_NAMES]
+
+
 def redis_policy(owner: Owner, spec: dict) -> dict | None:
-    """kvStore.redis's pods: this service's engine pods, and its gateway pods when spec.batch.redis
-    keeps batches in Redis (the operator cannot tell whether that is the same Redis; most often it
-    is, its default key prefix lying in the service's KV key space, and a policy that isolated it
-    from the gateway would break the Batch API)."""
+    """kvStore.redis's pods: this service's engine pods that use Redis, and its gateway pods when
+    spec.batch.redis keeps batches in Redis (the operator cannot tell whether that is the same Redis;
+    most often it is, its default key prefix lying in the service's KV key space, and a policy that
+    isolated it from the gateway would break the Batch API)."""
     redis = spec["kvStore"].get("redis") or {}
     if not redis.get("podSelector"):
         return None
-    peers = [{"podSelector": {"matchLabels": names.selector(owner, "engine")}}]
+    peers = _redis_engine_peers(owner, spec)
     if batch.uses_redis(spec):
         peers.append({"podSelector": {"matchLabels": names.selector(owner, "gateway")}})
     ingress = [{"from": peers, "ports": [_tcp(redis["port"])]}]

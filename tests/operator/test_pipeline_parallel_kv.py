@@ -4,8 +4,9 @@ LeaderWorkerSet of its own size (prefill P=2 x TP=2, decode P=2 x TP=1), with th
 
 Only a group's leader runs the engine core (scheduler, gRPC, the KV store: it assembles whole blocks
 from every stage's share and pushes or takes them), so only the leader gets what the core uses:
-the KV store's flags, the Redis URL and its TLS files, the gRPC certificate, the inbox and its port.
-A worker gets its stage's ranks' flags and the internal secret, nothing else. Checked against the
+the KV store's flags, the Redis URL and its TLS files, the gRPC certificate, the inbox and its port,
+the host tier's memory and a way into Redis (its NetworkPolicy). A worker gets its stage's ranks'
+flags and the internal secret, nothing else. Checked against the
 LeaderWorkerSet and core schemas, the NetworkPolicy evaluator, and the engine's own parser."""
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from tessera_operator.engine_pool import KV_INBOX_PORT, MASTER_PORT
 from tessera_operator.reconcile import desired_objects
 from tessera_operator.render import secret_refs
 
-from .conftest import make_isvc
+from .conftest import deep_merge, make_isvc
 from .lws_schema import LWS_SCHEMA, pod_template_object
 from .test_manifests import K8S_VERSIONS
-from .test_network_policy import STRANGER, admits, policies_of
+from .test_batch import CLASSES as BATCH_CLASSES
+from .test_network_policy import REDIS as REDIS_POD
+from .test_network_policy import STRANGER, admits, pod_of, policies_of
 from .test_pipeline_parallel import LWS_NAME, WORKER_INDEX, _engine_parser, engine, expand, flag, lws_of, templates
 from .test_reconcile import by_key
 
@@ -231,6 +234,57 @@ def test_a_mixed_pool_with_the_kv_store_gives_it_to_the_leader_alone():
     assert not [a for a in worker["args"] if a.startswith("--kv-")]
     assert REDIS_URL_ENV in {e["name"] for e in leader["env"]}
     assert REDIS_URL_ENV not in {e["name"] for e in worker["env"]}
+
+
+def test_redis_admits_the_pools_serving_pods_not_the_workers():
+    """Only the engine core talks to Redis (workers get no URL), so kvStore.redis.podSelector's policy
+    admits a pipeline-parallel pool's leaders, not its workers; a Deployment's pods and the gateway
+    (with batch.redis) stay admitted, here beside a pipeline-parallel prefill pool."""
+    both = _render(PD_PP)
+    for pool in LAYOUT:
+        pods = _pods(both, pool)
+        assert admits(policies_of(both), REDIS_POD, pods["leader"], 6379), pool
+        assert not admits(policies_of(both), REDIS_POD, pods["worker"], 6379), pool
+    prefill_only = _render({**PD_PP, "pools": {"prefill": {"pipelineParallelSize": 2}, "decode": {}},
+                            "gateway": BATCH_CLASSES, "batch": {"redis": {"urlSecretRef": {"name": "batch-redis"}}}})
+    policies, prefill = policies_of(prefill_only), _pods(prefill_only, "prefill")
+    assert ("Deployment", "llama-decode") in by_key(prefill_only)
+    for source in (prefill["leader"], pod_of(prefill_only, "llama-decode"), pod_of(prefill_only, "llama-gateway")):
+        assert admits(policies, REDIS_POD, source, 6379), source
+    for source in (prefill["worker"], STRANGER):
+        assert not admits(policies, REDIS_POD, source, 6379), source
+
+
+POOL_RESOURCES = {"requests": {"cpu": "4", "memory": "24Gi"}, "limits": {"memory": "40Gi"}}
+
+
+def _memory(template: dict) -> dict[str, int]:
+    resources = engine(template)["resources"]
+    return {kind: int(parse_quantity(resources[kind]["memory"])) for kind in ("requests", "limits")}
+
+
+def test_workers_reserve_the_pools_memory_less_the_host_tier_the_leader_all_of_it():
+    """The pool's memory holds the process plus kvStore.hostMemory (8Gi), and only the leader's engine
+    core holds the host tier: the leader gets the pool's figures, each worker 8Gi less on both."""
+    objects = _render(deep_merge(PD_PP, {"pools": {pool: {"resources": POOL_RESOURCES} for pool in LAYOUT}}))
+    for pool in LAYOUT:
+        leader, worker = templates(_lws(objects, pool))
+        assert _memory(leader) == {"requests": 24 * 2**30, "limits": 40 * 2**30}, pool
+        assert _memory(worker) == {"requests": 16 * 2**30, "limits": 32 * 2**30}, pool
+        assert engine(worker)["resources"]["requests"]["cpu"] == "4"
+        kubernetes_validate.validate(pod_template_object(worker, "worker"), K8S_VERSIONS[-1], strict=True)
+
+
+@pytest.mark.parametrize("host_memory, resources", [
+    ("0", POOL_RESOURCES),  # no host tier: nothing to take off
+    ("32Gi", POOL_RESOURCES),  # requests cannot hold the tier: the sizing is not the CRD's, keep it
+    ("8Gi", {"requests": {"cpu": "4"}}),  # no memory figure at all
+], ids=["no host tier", "memory smaller than the tier", "no memory"])
+def test_workers_keep_the_pools_resources_where_no_host_tier_share_is_known(host_memory, resources):
+    objects = _render({"engine": {"pipelineParallelSize": 2}, "kvStore": {"hostMemory": host_memory},
+                       "pools": {"mixed": {"resources": resources}}})
+    leader, worker = (engine(t)["resources"] for t in templates(lws_of(objects)))
+    assert worker == leader and leader["requests"] == {**resources["requests"], "nvidia.com/gpu": 1}
 
 
 @pytest.mark.parametrize("pools", [{"prefill": 2, "decode": 2}, {"prefill": 1, "decode": 2}, {"mixed": 2}])
