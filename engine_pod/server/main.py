@@ -195,6 +195,12 @@ async def _warm_up(engine: AsyncEngine, processor: Processor) -> None:
             return
 
 
+def _import_grammar_backend() -> None:
+    """xgrammar and the transformers it imports (about a second of start-up) once the pod
+    serves, not before it: the first request with a grammar finds them imported."""
+    import engine_pod.structured_output.backend_xgrammar  # noqa: F401
+
+
 async def _lifecycle(pod: _Pod, banner: str, drain_timeout: float, step_timeout: float) -> None:
     """On the frontend loop: warm up, serve until asked to stop, drain, stop the engine."""
     service, server, engine = pod.service, pod.server, pod.engine
@@ -205,6 +211,8 @@ async def _lifecycle(pod: _Pod, banner: str, drain_timeout: float, step_timeout:
         service.serving = True
         await server.set_health(health_pb2.HealthCheckResponse.SERVING)
         print(banner, flush=True)
+        if pod.core.structured_output is not None:
+            threading.Thread(target=_import_grammar_backend, name="import-xgrammar", daemon=True).start()
         if step_timeout:
             watchdog = asyncio.create_task(watch_steps(engine, service, server.set_health, step_timeout))
         await server.stop_requested.wait()

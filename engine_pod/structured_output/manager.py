@@ -5,6 +5,10 @@ Compilation runs on a small thread pool so a large schema never stalls the
 step loop: its request waits (RequestStatus.WAITING_FOR_FSM) while others
 run. Compiled grammars are cached by constraint, so a schema sent again
 compiles zero times. All matcher calls happen on the engine loop's thread.
+
+xgrammar (and the transformers it imports: about a second) is imported with
+the backend, on the first grammar: an engine starts without it (an engine pod
+imports it in the background once it serves: server/main.py).
 """
 
 from __future__ import annotations
@@ -16,11 +20,14 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine_pod.request import Request
-from engine_pod.structured_output.backend_xgrammar import Grammar, XgrammarBackend
 from engine_pod.structured_output.bitmask import GrammarBitmask
 from tessera.structured_output import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from engine_pod.structured_output.backend_xgrammar import Grammar, XgrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +67,7 @@ class StructuredOutputManager:
         # indexing its vocabulary takes a while on large vocabularies.
         with self._backend_lock:
             if self._backend is None:
+                from engine_pod.structured_output.backend_xgrammar import XgrammarBackend
                 from tessera.text import load_tokenizer
 
                 self._backend = XgrammarBackend(
@@ -97,6 +105,8 @@ class StructuredOutputManager:
             return request.request_id in self._grammars
         if not future.done():
             return False
+        from engine_pod.structured_output.backend_xgrammar import Grammar  # imported by the compile
+
         del self._pending[request.request_id]
         self._grammars[request.request_id] = Grammar.create(future.result())
         return True

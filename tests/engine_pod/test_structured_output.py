@@ -233,3 +233,25 @@ def test_requests_waiting_for_their_grammar_count_as_waiting(llm):
     finally:
         core.abort_requests(["counted"])
     assert core.scheduler.num_waiting == 0
+
+
+def test_an_engine_starts_without_xgrammar_and_imports_it_for_the_first_grammar(tiny_llama):
+    """xgrammar and the transformers it pulls in cost an engine pod about a second of start-up:
+    they are imported with the first grammar (a pod imports them in the background once it serves)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+from engine_pod import LLM, SamplingParams
+from tessera.structured_output import StructuredOutputsParams
+llm = LLM({str(tiny_llama)!r}, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20)
+llm.generate(["hi"], SamplingParams(max_tokens=2))
+assert "xgrammar" not in sys.modules, "imported before any grammar"
+choice = StructuredOutputsParams(choice=["yes", "no"])
+out = llm.generate(["hi"], SamplingParams(max_tokens=8, structured_outputs=choice))
+assert out[0].outputs[0].text in ("yes", "no"), out[0].outputs[0].text
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
