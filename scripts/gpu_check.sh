@@ -32,3 +32,13 @@ $PY -m tessera_tools.cli bench prefix-cache --model models/bench --dtype bfloat1
 echo "== triton attention kernels on CUDA: the CPU suite's cases compiled for the GPU, then the benchmark"
 $PY -m pytest tests/engine_pod/attention/test_triton_attention.py tests/engine_pod/test_triton_backend.py -q -x -p no:cacheprovider 2>&1 | tail -4
 $PY -m tessera_tools.cli bench kernels --output "$OUT/kernels_gpu.json" 2>"$OUT/kernels_gpu.log"
+
+echo "== P/D on the GPU: TTFT of the direct channel vs Redis at 2,016-token prompts, real engines (issue 22)"
+# Two pods per set-up share the one GPU (bfloat16, 512 MiB of KV each); every set-up has a private
+# redis-server, so the machine needs one on its PATH.
+if command -v redis-server >/dev/null; then
+  $PY -m tessera_tools.cli bench pd --model models/bench --dtype bfloat16 --tp 1 --rounds 3 \
+    --modes mixed,redis,direct --logs "$OUT/pd-logs" --out "$OUT/pd_gpu.json" 2>&1 | tail -20
+else
+  echo "skipped: no redis-server on this machine"
+fi
