@@ -15,7 +15,7 @@ from pathlib import Path
 
 import redis
 
-from tessera.child_process import free_port  # noqa: E402 - one home for free ports
+from tessera.child_process import free_port, port_is_free  # noqa: E402 - one home for free ports
 
 
 def _start(args: list[str]) -> subprocess.Popen[bytes]:
@@ -111,17 +111,6 @@ def _wait_ping(client: redis.Redis, timeout: float = 10.0) -> None:
             time.sleep(0.02)
 
 
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _cluster_ports(n: int) -> list[int]:
     """Free ports whose cluster-bus port (port + 10000) is valid and free too:
     ephemeral ports from free_port() are often above 55535."""
@@ -131,6 +120,6 @@ def _cluster_ports(n: int) -> list[int]:
     ports: list[int] = []
     while len(ports) < n:
         port = rng.randrange(20000, 45000)
-        if port not in ports and _port_free(port) and _port_free(port + 10000):
+        if port not in ports and port_is_free(port) and port_is_free(port + 10000):
             ports.append(port)
     return ports

@@ -59,14 +59,15 @@ def free_port_pair(attempts: int = 200) -> int:
     top = min(_ephemeral_start(), 60000)
     for _ in range(attempts if top > 20101 else 0):
         port = random.randrange(20000, top - 1)
-        if port in _handed_out or port + 1 in _handed_out or not (_bindable(port) and _bindable(port + 1)):
+        if port in _handed_out or port + 1 in _handed_out or not (port_is_free(port) and port_is_free(port + 1)):
             continue
         _handed_out.update((port, port + 1))
         return port
     raise RuntimeError("no two consecutive free loopback ports found below the ephemeral range")
 
 
-def _bindable(port: int) -> bool:
+def port_is_free(port: int) -> bool:
+    """Whether a socket can bind ``port`` on loopback right now."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))

@@ -17,19 +17,14 @@ import pickle
 import pytest
 import torch
 
-from engine_pod import LLM
 from engine_pod.distributed.parallel_state import stage_layers
 from engine_pod.model.parallel_layers import kv_head_range
 from engine_pod.worker.kv_shards import RankBlocks, assemble_blocks, rank_share
 from tests.kv_store.test_kv_store_tensor_parallel import (
     BLOCK,
-    ENGINE_KW,
-    _check,
-    _full_blocks,
-    _hf,
-    _prompts,
     check_host_tier_round_trip,
     check_pd_both_ways,
+    check_redis_both_ways,
 )
 
 
@@ -64,22 +59,8 @@ def test_host_tier_serves_saved_and_offloaded_prefixes_under_pp2xtp2(tiny_llama)
 @pytestmark_engines
 def test_redis_blocks_cross_pp_and_tp_layouts_both_ways(tiny_llama, redis_server):
     """PP=2 writes, TP=1 reads; TP=1 writes, PP=2 x TP=2 reads."""
-    by_pp2, by_tp1 = _prompts(2, seed=4), _prompts(2, seed=5)
-    expected = _hf(tiny_llama, by_pp2 + by_tp1)
-    redis = dict(kv_redis_url=redis_server.url)
-    with LLM(str(tiny_llama), pipeline_parallel_size=2, **ENGINE_KW, **redis) as writer:
-        _check(writer, by_pp2, expected[:2])
-        writer.engine_core.kv_store.flush()
-    tp1 = LLM(str(tiny_llama), **ENGINE_KW, **redis)
-    _check(tp1, by_pp2, expected[:2])
-    assert tp1.engine_core.kv_store.stats.redis_hits == sum(_full_blocks(p) for p in by_pp2)
-    _check(tp1, by_tp1, expected[2:])
-    tp1.engine_core.kv_store.flush()
-    with LLM(str(tiny_llama), pipeline_parallel_size=2, tensor_parallel_size=2, **ENGINE_KW, **redis) as reader:
-        _check(reader, by_pp2 + by_tp1, expected)
-        stats = reader.engine_core.kv_store.stats
-        assert stats.redis_hits == sum(_full_blocks(p) for p in by_pp2 + by_tp1)
-        assert stats.rejected_values == 0
+    check_redis_both_ways(tiny_llama, redis_server, {"pipeline_parallel_size": 2},
+                          {"pipeline_parallel_size": 2, "tensor_parallel_size": 2})
 
 
 @pytestmark_engines

@@ -124,22 +124,33 @@ def check_host_tier_round_trip(path, **layout):
 
 def test_redis_blocks_cross_tp_degrees_both_ways(tiny_llama, redis_server):
     """TP=2 writes, TP=1 and a fresh TP=2 read; TP=1 writes, TP=2 reads."""
-    by_tp2, by_tp1 = _prompts(2, seed=4), _prompts(2, seed=5)
-    expected = _hf(tiny_llama, by_tp2 + by_tp1)
+    reader = check_redis_both_ways(tiny_llama, redis_server, {"tensor_parallel_size": 2},
+                                   {"tensor_parallel_size": 2})
+    assert reader.stats.external_prefix_hits > 0
+
+
+def check_redis_both_ways(path, redis_server, writer: dict, reader: dict):
+    """An engine of the ``writer`` layout saves two prompts to Redis, which a
+    TP=1 engine loads; that one saves two more, and an engine of the ``reader``
+    layout loads all four: HF's tokens every time, every full block a Redis hit
+    and none refused. Returns the reader (shut down) for more checks."""
+    by_writer, by_tp1 = _prompts(2, seed=4), _prompts(2, seed=5)
+    expected = _hf(path, by_writer + by_tp1)
     redis = dict(kv_redis_url=redis_server.url)
-    with LLM(str(tiny_llama), tensor_parallel_size=2, **ENGINE_KW, **redis) as writer:
-        _check(writer, by_tp2, expected[:2])
-        writer.engine_core.kv_store.flush()
-    tp1 = LLM(str(tiny_llama), **ENGINE_KW, **redis)
-    _check(tp1, by_tp2, expected[:2])  # TP=2 -> TP=1
-    assert tp1.engine_core.kv_store.stats.redis_hits == sum(_full_blocks(p) for p in by_tp2)
+    with LLM(str(path), **writer, **ENGINE_KW, **redis) as first:
+        _check(first, by_writer, expected[:2])
+        first.engine_core.kv_store.flush()
+    tp1 = LLM(str(path), **ENGINE_KW, **redis)
+    _check(tp1, by_writer, expected[:2])  # writer -> TP=1
+    assert tp1.engine_core.kv_store.stats.redis_hits == sum(_full_blocks(p) for p in by_writer)
     _check(tp1, by_tp1, expected[2:])
     tp1.engine_core.kv_store.flush()
-    with LLM(str(tiny_llama), tensor_parallel_size=2, **ENGINE_KW, **redis) as reader:
-        _check(reader, by_tp2 + by_tp1, expected)  # TP=2 -> TP=2 and TP=1 -> TP=2
-        stats = reader.engine_core.kv_store.stats
-        assert stats.redis_hits == sum(_full_blocks(p) for p in by_tp2 + by_tp1)
-        assert stats.rejected_values == 0 and reader.stats.external_prefix_hits > 0
+    with LLM(str(path), **reader, **ENGINE_KW, **redis) as last:
+        _check(last, by_writer + by_tp1, expected)  # writer -> reader and TP=1 -> reader
+        stats = last.engine_core.kv_store.stats
+        assert stats.redis_hits == sum(_full_blocks(p) for p in by_writer + by_tp1)
+        assert stats.rejected_values == 0
+    return last
 
 
 def test_tp4_replicated_kv_heads_write_and_read_whole_blocks(tiny_llama, redis_server):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import multiprocessing
 import signal
 import socket
-import threading
 import time
 
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from engine_pod.distributed.node_channel import MAGIC, node_channel_port
 from engine_pod.server.process import EnginePodProcess, free_port
 from tests.engine_pod.multinode.test_multinode_pods import _alive, _Node, _node_args, _ranks_of, _wait_exit
+from tests.engine_pod.multinode.refusing_leader import refusing
 
 # SIGTERM to exit: the join loops look several times a second, then the ranks are stopped.
 PROMPT_EXIT_SECONDS = 5.0
@@ -76,42 +76,25 @@ def test_sigterm_ends_a_node_waiting_for_a_leader_that_never_answers(tiny_llama,
     does): the node keeps dialling, and SIGTERM ends that at once."""
     port = _master_port()
     listener = socket.create_server(("127.0.0.1", node_channel_port(port)))
-    listener.settimeout(0.2)
-    dials = []
-    stop = threading.Event()
-
-    def refuse() -> None:
-        while not stop.is_set():
-            try:
-                sock, _ = listener.accept()
-            except TimeoutError:
-                continue
-            dials.append(time.monotonic())
-            sock.close()
-
-    thread = threading.Thread(target=refuse, daemon=True)
-    thread.start()
     log = tmp_path / "node.log"
-    node = _Node(tiny_llama, _node_args(port, 1), log)
-    try:
-        deadline = time.monotonic() + 120
-        while len(dials) < 2 and time.monotonic() < deadline:
-            assert node.proc.poll() is None, log.read_text()
-            time.sleep(0.1)
-        assert len(dials) >= 2, "the node never dialled the leader"
-        start = time.monotonic()
-        node.proc.send_signal(signal.SIGTERM)
-        code = _wait_exit(node, 30)
-        assert code == 0, f"exit {code}: {log.read_text()}"
-        assert time.monotonic() - start < PROMPT_EXIT_SECONDS
-        assert not _ranks_of(node.proc.pid)
-        assert f"node 1: asked to stop while waiting for the leader at 127.0.0.1:{node_channel_port(port)}" \
-               in log.read_text()
-    finally:
-        stop.set()
-        thread.join(5)
-        listener.close()
-        node.terminate(timeout=10)
+    with refusing(listener) as dials:
+        node = _Node(tiny_llama, _node_args(port, 1), log)
+        try:
+            deadline = time.monotonic() + 120
+            while len(dials) < 2 and time.monotonic() < deadline:
+                assert node.proc.poll() is None, log.read_text()
+                time.sleep(0.1)
+            assert len(dials) >= 2, "the node never dialled the leader"
+            start = time.monotonic()
+            node.proc.send_signal(signal.SIGTERM)
+            code = _wait_exit(node, 30)
+            assert code == 0, f"exit {code}: {log.read_text()}"
+            assert time.monotonic() - start < PROMPT_EXIT_SECONDS
+            assert not _ranks_of(node.proc.pid)
+            assert f"node 1: asked to stop while waiting for the leader at 127.0.0.1:{node_channel_port(port)}" \
+                   in log.read_text()
+        finally:
+            node.terminate(timeout=10)
 
 
 def test_a_stop_asked_while_the_ranks_start_stops_them_at_once(tiny_llama):

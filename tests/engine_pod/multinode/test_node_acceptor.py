@@ -24,6 +24,7 @@ from engine_pod.distributed.node_channel import (
     listen,
 )
 from engine_pod.executor.node_acceptor import MAX_HANDSHAKES, JoinTimeout, NodeAcceptor
+from tests.engine_pod.multinode.refusing_leader import refusing
 
 KEY = b"k" * 32
 GREETING = len(MAGIC) + NONCE_BYTES
@@ -209,24 +210,9 @@ def test_a_node_dials_again_after_a_leader_that_closed_before_its_greeting_and_s
     (until its deadline) rather than giving up; its stop event ends that wait."""
     listener = listen(0)
     port = listener.getsockname()[1]
-    attempts = []
-
-    def refuse() -> None:
-        listener.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                sock, _ = listener.accept()
-            except TimeoutError:
-                continue
-            attempts.append(time.monotonic())
-            sock.close()
-
-    stop = threading.Event()
-    thread = threading.Thread(target=refuse, daemon=True)
-    thread.start()
-    node_stop = threading.Event()
-    threading.Timer(1.0, node_stop.set).start()
-    try:
+    with refusing(listener) as attempts:
+        node_stop = threading.Event()
+        threading.Timer(1.0, node_stop.set).start()
         start = time.monotonic()
         with pytest.raises(JoinStopped, match=f"waiting for the leader at 127.0.0.1:{port}"):
             connect_to_leader(("127.0.0.1", port), 1, KEY, time.monotonic() + 30, node_stop)
@@ -234,7 +220,3 @@ def test_a_node_dials_again_after_a_leader_that_closed_before_its_greeting_and_s
         assert len(attempts) >= 3
         with pytest.raises(ChannelError, match="closed the connection before its greeting"):
             connect_to_leader(("127.0.0.1", port), 1, KEY, time.monotonic() + 0.5)
-    finally:
-        stop.set()
-        thread.join(5)
-        listener.close()
