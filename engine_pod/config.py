@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from engine_pod.attention.selector import check_backend_name
 from engine_pod.lora.config import LoRAConfig
+from engine_pod.model.gguf.cache import resolve_model_path
 from engine_pod.model.hf_config import ModelArchConfig, dtype_name, load_arch_config, parse_dtype
 from engine_pod.spec_decode.config import SpeculativeConfig
 from kv_store.block_hash import DEFAULT_BLOCK_SIZE
@@ -482,8 +483,9 @@ def create_engine_config(
     simulate: bool = False,
 ) -> EngineConfig:
     """``simulate``: configure a simulated engine (no device, no dtype, no
-    torch), whose executor models step times (engine_pod/sim)."""
-    path = Path(model)
+    torch), whose executor models step times (engine_pod/sim). ``model``: a checkpoint folder,
+    or a GGUF file (converted once into a cache folder, engine_pod/model/gguf/cache.py)."""
+    path = resolve_model_path(model)
     speculative = SpeculativeConfig.parse(speculative_config)
     # The node layout before the device check: a pod of a multi-node group holds only its own ranks' GPUs.
     parallel = ParallelConfig(tensor_parallel_size, worker_threads, pipeline_parallel_size, nodes or NodeLayout())

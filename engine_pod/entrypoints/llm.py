@@ -30,10 +30,11 @@ class LLM:
 
     def __init__(self, model: str, *, tokenizer: str | None = None, tensor_parallel_size: int = 1, **engine_kwargs):
         self.config = create_engine_config(model, tensor_parallel_size=tensor_parallel_size, **engine_kwargs)
-        self.tokenizer = load_tokenizer(tokenizer or model)
-        eos_ids = load_eos_token_ids(model, self.tokenizer)
+        checkpoint = self.config.model.path  # a GGUF file's converted folder
+        self.tokenizer = load_tokenizer(tokenizer or checkpoint)
+        eos_ids = load_eos_token_ids(checkpoint, self.tokenizer)
         self.processor = Processor(self.config, self.tokenizer, eos_ids)
-        self.engine_core = EngineCore(self.config, tokenizer_path=str(tokenizer or model))
+        self.engine_core = EngineCore(self.config, tokenizer_path=str(tokenizer or checkpoint))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 

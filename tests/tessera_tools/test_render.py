@@ -53,7 +53,7 @@ def with_uid(path: Path, uid: str = "0f6c2a55-uid") -> dict:
 
 def test_every_inference_service_example_is_covered():
     assert {p.name for p in EXAMPLES} >= {"inferenceservice-mixed.yaml", "inferenceservice-disaggregated.yaml",
-                                          "inferenceservice-lora.yaml", "local.yaml"}
+                                          "inferenceservice-lora.yaml", "local.yaml", "local-tiny.yaml"}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -128,7 +128,7 @@ def test_namespace_flag_renders_into_another_namespace(tmp_path, capsys, events)
 
 
 def test_a_missing_namespace_is_default(tmp_path, capsys):
-    body = yaml.safe_load((ROOT / "examples" / "local.yaml").read_text())
+    body = yaml.safe_load((ROOT / "examples" / "local-tiny.yaml").read_text())
     del body["metadata"]["namespace"]
     source = tmp_path / "isvc.yaml"
     source.write_text(yaml.safe_dump(body))
@@ -170,7 +170,7 @@ def test_a_user_internal_secret_is_named_not_generated(tmp_path, capsys):
 def test_an_invalid_resource_renders_nothing(text, message, tmp_path, capsys):
     source = tmp_path / "bad.yaml"
     # A valid resource first: nothing of it is printed either.
-    source.write_text((ROOT / "examples" / "local.yaml").read_text() + "\n---\n" + text)
+    source.write_text((ROOT / "examples" / "local-tiny.yaml").read_text() + "\n---\n" + text)
     code, out, err = render(capsys, "-f", str(source))
     assert code == 1 and out == ""
     assert f"{source}#2: {message}" in err.splitlines()

@@ -29,7 +29,7 @@ POD_ONLY, LOCAL_ONLY = {"--health-port"}, {"--cpu-threads"}
 
 
 def _pipeline(stages: int = 2, replicas: int = 1) -> dict:
-    resource = yaml.safe_load((ROOT / "examples" / "local.yaml").read_text())
+    resource = yaml.safe_load((ROOT / "examples" / "local-tiny.yaml").read_text())
     resource["spec"]["engine"]["pipelineParallelSize"] = stages
     resource["spec"]["pools"]["mixed"]["replicas"] = replicas
     return resource
@@ -129,7 +129,7 @@ def test_the_cpu_split_covers_every_process_of_every_group(tiny_llama):
 
 
 def test_without_pipeline_parallelism_or_simulated_an_engine_is_one_process(tiny_llama):
-    plan = _plan(yaml.safe_load((ROOT / "examples" / "local.yaml").read_text()), tiny_llama)
+    plan = _plan(yaml.safe_load((ROOT / "examples" / "local-tiny.yaml").read_text()), tiny_llama)
     assert all(not e.nodes and e.master_port == 0 and "--nnodes" not in e.args for e in plan.engines)
     # A simulated pod computes nothing: the engine refuses --nnodes with --simulate.
     simulated = _plan(_pipeline(), tiny_llama, simulate="engine_pod/sim/profiles/bench-cpu.json")

@@ -32,7 +32,7 @@ def _engine_flags(args: list[str]) -> dict[str, str]:
 
 def test_mixed_example_two_pinned_replicas_behind_a_static_gateway(tiny_llama):
     options = LocalOptions(models_dir=tiny_llama.parent, http_port=8123, grpc_port=8124, cpus=(0, 1))
-    plan = build_plan(_example("local.yaml"), options, _ports())
+    plan = build_plan(_example("local-tiny.yaml"), options, _ports())
     assert [e.name for e in plan.engines] == ["mixed-0", "mixed-1"]
     assert [e.cpus for e in plan.engines] == [frozenset({0}), frozenset({1})]
     for engine in plan.engines:
@@ -154,20 +154,20 @@ def test_engine_args_parse_with_the_engines_own_parser(tiny_llama):
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
-    plan = build_plan(_example("local.yaml"), LocalOptions(models_dir=tiny_llama.parent), _ports())
+    plan = build_plan(_example("local-tiny.yaml"), LocalOptions(models_dir=tiny_llama.parent), _ports())
     args = parser.parse_args(plan.engines[0].args)
     assert args.cpu_threads >= 1 and args.max_num_seqs == 64
 
 
 def test_invalid_resources_fail_with_the_operators_messages(tiny_llama):
-    bad = _example("local.yaml")
+    bad = _example("local-tiny.yaml")
     bad["spec"]["pools"]["mixed"]["replicas"] = -1
     bad["spec"]["engine"]["blockSize"] = "big"
     with pytest.raises(InvalidInferenceService) as err:
         build_plan(bad, LocalOptions(models_dir=tiny_llama.parent), _ports())
     assert "spec.pools.mixed.replicas" in str(err.value) and "spec.engine.blockSize" in str(err.value)
     with pytest.raises(ValueError, match="no checkpoint at"):
-        build_plan(_example("local.yaml"), LocalOptions(models_dir=Path("/nonexistent")), _ports())
+        build_plan(_example("local-tiny.yaml"), LocalOptions(models_dir=Path("/nonexistent")), _ports())
 
 
 def test_split_cpus():
@@ -233,7 +233,7 @@ def test_bad_files_are_refused_naming_the_problem(tmp_path, text, message):
 def test_adapters_are_read_from_this_machines_folders(tiny_llama, tmp_path):
     """spec.loras and the run-time roots name folders the way the model does (a PVC's path under
     --models-dir, or a hostPath): locally the engines get those folders, not the pods' mounts."""
-    resource = _example("local.yaml")
+    resource = _example("local-tiny.yaml")
     resource["spec"]["loras"] = [{"name": "sql", "pvc": {"claimName": "models", "path": "tiny-sql"}},
                                  {"name": "chat", "hostPath": {"path": str(tmp_path / "chat")}}]
     resource["spec"]["engine"]["lora"] = {"maxLoras": 2, "runtimeRoots": [{"hostPath": {"path": str(tmp_path)}}]}
@@ -275,7 +275,7 @@ def test_batch_example_keeps_its_folder_under_the_state_directory(tiny_llama, tm
 
 
 def test_no_batch_section_no_batch_api(tiny_llama):
-    plan = build_plan(_example("local.yaml"), LocalOptions(models_dir=tiny_llama.parent), _ports())
+    plan = build_plan(_example("local-tiny.yaml"), LocalOptions(models_dir=tiny_llama.parent), _ports())
     assert not plan.batch and plan.batch_directory is None and "batch" not in plan.gateway_config
 
 
@@ -322,7 +322,7 @@ def test_without_batch_redis_an_inherited_batch_redis_url_is_blanked(tiny_llama)
     from gateway.config import gateway_config_from_dict
 
     options = LocalOptions(models_dir=tiny_llama.parent)
-    for example in ("local-batch.yaml", "local.yaml"):
+    for example in ("local-batch.yaml", "local-tiny.yaml"):
         plan = build_plan(_example(example), options, _ports())
         assert plan.gateway_env == {"TESSERA_BATCH_REDIS_URL": ""}
     batch = gateway_config_from_dict(plan.gateway_config, {**os.environ, **plan.gateway_env}).batch
@@ -334,7 +334,7 @@ def test_without_batch_redis_an_inherited_batch_redis_url_is_blanked(tiny_llama)
 
 
 def test_batch_redis_without_a_kv_redis_is_refused(tiny_llama):
-    resource = _example("local.yaml")
+    resource = _example("local-tiny.yaml")
     resource["spec"]["batch"] = {"redis": {"urlSecretRef": {"name": "batch-redis"}}}
     with pytest.raises(ValueError, match=r"spec.batch.redis: `tessera up` keeps batches in the Redis it runs for "
                                          r"kvStore.redis .* add one, or keep batches in a folder with "
@@ -381,9 +381,9 @@ def test_a_run_keeps_its_secret_exactly_when_its_batches_outlive_it(tiny_llama, 
 
 def test_simulated_pods_take_the_profile_and_compute_in_no_dtype(tiny_llama):
     options = LocalOptions(models_dir=tiny_llama.parent, cpus=(0, 1), simulate="engine_pod/sim/profiles/bench-cpu.json")
-    plan = build_plan(_example("local.yaml"), options, _ports())
+    plan = build_plan(_example("local-tiny.yaml"), options, _ports())
     for engine in plan.engines:
         flags = _engine_flags(engine.args)
         assert flags["--simulate"] == "engine_pod/sim/profiles/bench-cpu.json" and flags["--dtype"] == "auto"
-    real = build_plan(_example("local.yaml"), LocalOptions(models_dir=tiny_llama.parent, cpus=(0, 1)), _ports())
+    real = build_plan(_example("local-tiny.yaml"), LocalOptions(models_dir=tiny_llama.parent, cpus=(0, 1)), _ports())
     assert all("--simulate" not in e.args and _engine_flags(e.args)["--dtype"] == "float32" for e in real.engines)

@@ -1,4 +1,4 @@
-"""`tessera up` as a user runs it: a subprocess on examples/local.yaml."""
+"""`tessera up` as a user runs it: a subprocess on examples/local-tiny.yaml."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _alive(pid: int) -> bool:
 
 
 class Up:
-    def __init__(self, models_dir: Path, log_dir: Path, example: str = "local.yaml") -> None:
+    def __init__(self, models_dir: Path, log_dir: Path, example: str = "local-tiny.yaml") -> None:
         self.http_port, self.grpc_port = free_port(), free_port()
         self.base_url = f"http://127.0.0.1:{self.http_port}"
         self.log_dir = log_dir
@@ -86,7 +86,7 @@ class Up:
 
 @pytest.fixture
 def up(tiny_llama, tmp_path):
-    # examples/local.yaml names the PVC path `tiny`: the test checkpoint cache stands in for the PVC.
+    # examples/local-tiny.yaml names the PVC path `tiny`: the test checkpoint cache stands in for the PVC.
     platform = Up(tiny_llama.parent, tmp_path)
     yield platform
     platform.stop()

@@ -1,4 +1,4 @@
-"""`tessera up` on a pipeline-parallel resource (examples/local.yaml with PP=2, one replica): the engine
+"""`tessera up` on a pipeline-parallel resource (examples/local-tiny.yaml with PP=2, one replica): the engine
 runs as two processes, a leader serving gRPC and a node, as the operator's LeaderWorkerSet runs
 two pods; a greedy completion comes back through the gateway, and Ctrl-C stops all of them."""
 
@@ -23,7 +23,7 @@ def _greedy(up: Up) -> httpx.Response:
 
 
 def test_a_pipeline_parallel_pool_runs_as_a_leader_and_a_node_process(tiny_llama, tmp_path):
-    resource = yaml.safe_load((ROOT / "examples" / "local.yaml").read_text())
+    resource = yaml.safe_load((ROOT / "examples" / "local-tiny.yaml").read_text())
     resource["metadata"]["name"] = "local-pipeline"
     resource["spec"]["engine"]["pipelineParallelSize"] = 2
     resource["spec"]["pools"]["mixed"]["replicas"] = 1

@@ -23,7 +23,7 @@ from tessera_tools.up.supervisor import ChildFailed, Supervisor
 from tests.tessera_tools.up.test_up_e2e import _alive, _children
 
 ROOT = Path(__file__).resolve().parents[3]
-LOCAL = ROOT / "examples" / "local.yaml"
+LOCAL = ROOT / "examples" / "local-tiny.yaml"
 
 
 def _listening_socket() -> tuple[socket.socket, int]:
