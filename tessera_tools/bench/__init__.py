@@ -37,6 +37,8 @@ def add_bench_parser(sub) -> None:
     pp.add_parser(kinds)
     from tessera_tools.bench import latency
     latency.add_parser(kinds)
+    from tessera_tools.bench import quality
+    quality.add_parser(kinds)
     bench.set_defaults(func=run_bench)
 
 

@@ -35,6 +35,7 @@ def cache_root() -> Path:
 
 
 def file_digest(path: Path) -> str:
+    """The SHA-256 of a file's bytes, in hex."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 20):
