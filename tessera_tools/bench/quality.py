@@ -94,7 +94,7 @@ def _features(text: str) -> list[str]:
     names = [n for n in text.split(",") if n]
     unknown = sorted(set(names) - set(FEATURES))
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown feature(s) {unknown}; choose from {sorted(FEATURES)}")
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown or no features {unknown}; choose from {sorted(FEATURES)}")
     return names
 
 

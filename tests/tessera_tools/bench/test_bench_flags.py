@@ -115,6 +115,9 @@ BAD = [
     ("latency", "--num-iters", "0"),
     ("latency", "--num-iters-warmup", "-1"),
     ("latency", "--vocab-size", "5"),
+    ("quality", "--max-tokens", "0"),
+    ("quality", "--features", "base,fast"),
+    ("quality", "--features", ","),
 ]
 
 
