@@ -24,6 +24,7 @@ class ParentRequest:
     completions: list[CompletionOutput]
     num_cached_tokens: int = 0
     num_unfinished: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # time.monotonic() stamps, vLLM's RequestMetrics meanings.
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -72,6 +73,8 @@ class OutputProcessor:
             completion.token_ids.extend(out.new_token_ids)
             if state.want_logprobs and out.new_logprobs:
                 self._add_logprobs(state, out.new_logprobs)
+            if out.prompt_logprobs is not None and completion.index == 0:
+                state.parent.prompt_logprobs = [None, *(self._step(state, e) for e in out.prompt_logprobs)]
             if completion.index == 0:
                 state.parent.num_cached_tokens = out.num_cached_tokens
             stop_str = state.detokenizer.update(out.new_token_ids)
@@ -92,12 +95,16 @@ class OutputProcessor:
     def _add_logprobs(self, state: _ChildState, entries: list[Logprobs]) -> None:
         completion = state.completion
         for entry in entries:
-            step = {}
-            for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
-                if token_id not in step:
-                    step[token_id] = Logprob(logprob, rank, state.detokenizer.decode_token(token_id))
-            completion.logprobs.append(step)
+            completion.logprobs.append(self._step(state, entry))
             completion.cumulative_logprob += entry.logprobs[0]
+
+    @staticmethod
+    def _step(state: _ChildState, entry: Logprobs) -> dict[int, Logprob]:
+        step: dict[int, Logprob] = {}
+        for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
+            if token_id not in step:
+                step[token_id] = Logprob(logprob, rank, state.detokenizer.decode_token(token_id))
+        return step
 
     def abort(self, request_ids: list[str]) -> None:
         for req_id in request_ids:
@@ -112,6 +119,7 @@ class OutputProcessor:
             outputs=parent.completions,
             finished=True,
             num_cached_tokens=parent.num_cached_tokens,
+            prompt_logprobs=parent.prompt_logprobs,
             metrics={
                 "arrival_time": parent.arrival_time,
                 "first_token_time": parent.first_token_time,

@@ -37,3 +37,6 @@ class RequestOutput:
     # Prompt tokens served from the prefix cache (the first sample's count).
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs: None for the first prompt token (nothing precedes it),
+    # then per prompt token its id -> Logprob and the top-k's (vLLM's shape); else None.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

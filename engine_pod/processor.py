@@ -108,5 +108,6 @@ def _check_simulable(params: SamplingParams) -> None:
     computes no probabilities: what it cannot honour is refused, not faked."""
     if params.structured_outputs is not None:
         raise ValueError("structured_outputs: a simulated engine runs no grammars")
-    if params.logprobs is not None:
-        raise ValueError("logprobs: a simulated engine computes no probabilities")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            raise ValueError(f"{name}: a simulated engine computes no probabilities")

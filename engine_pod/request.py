@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 from dataclasses import dataclass, field
 
 from engine_pod.lora_request import AdapterSpec
@@ -80,11 +81,32 @@ class Request:
     # The scheduler may schedule fewer; a constraint on the output (a
     # grammar) trims them here before they are scheduled.
     spec_token_ids: list[int] = field(default_factory=list)
+    # prompt_logprobs: one entry (core.scheduler_output.Logprobs) per prompt position scored so far,
+    # until they go out with the first output token (then None).
+    prompt_logprobs: list[Any] | None = field(default_factory=list)
     # Block size used for block_hashes; 0 when prefix caching is off.
     _hash_block_size: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    def add_prompt_logprobs(self, first_position: int, entries: list[Any]) -> None:
+        """Keep the entries for prompt positions not scored yet: a request recomputed after a
+        preemption scores its prompt again, and those positions already stand."""
+        if self.prompt_logprobs is None:
+            return
+        have = len(self.prompt_logprobs)
+        if first_position > have:
+            raise RuntimeError(f"request {self.request_id}: prompt logprobs from position {first_position}, "
+                               f"{have} held")
+        self.prompt_logprobs.extend(entries[have - first_position:])
+
+    def take_prompt_logprobs(self) -> list[Any] | None:
+        """The prompt's logprobs, once (None when not asked for, or already taken)."""
+        if self.sampling_params.prompt_logprobs is None or self.prompt_logprobs is None:
+            return None
+        taken, self.prompt_logprobs = self.prompt_logprobs, None
+        return taken
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,7 +19,9 @@ class SamplingParams:
     ``top_p == 1`` and ``min_p == 0`` disable those filters. ``stop_token_ids``
     end generation and stay in the output token ids; ``stop`` strings end it and
     are cut from the text. ``logprobs=k`` returns the sampled token's logprob and
-    the top-k alternatives for every output token. ``structured_outputs``
+    the top-k alternatives for every output token; ``prompt_logprobs=k`` the same for every
+    prompt token after the first (each one's logprob given the tokens before it: a prompt's
+    perplexity), computed, never read from the prefix cache. ``structured_outputs``
     constrains the output to a JSON schema, regex, choice or grammar.
     """
 
@@ -38,6 +40,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -65,12 +68,15 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 fail(name, f"must be a finite number, got {value!r}")
-        for name in ("n", "max_tokens", "min_tokens", "top_k", "logprobs", "seed"):
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "logprobs", "prompt_logprobs", "seed"):
             value = getattr(self, name)
             if (value is not None or name == "n") and (isinstance(value, bool) or not isinstance(value, int)):
                 fail(name, f"must be an integer, got {value!r}")
         for name in ENGINE_RANGES:
             check_range(name, getattr(self, name), ENGINE_RANGES, where="SamplingParams.")
+        # The offline API's only, so far (the gateway does not take it): logprobs' range.
+        check_range("prompt_logprobs", self.prompt_logprobs, {"prompt_logprobs": ENGINE_RANGES["logprobs"]},
+                    where="SamplingParams.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self.stop):

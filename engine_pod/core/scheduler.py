@@ -390,7 +390,8 @@ class Scheduler:
             hits: list[KVCacheBlock] = []
             num_hit_tokens = 0
             loaded: list[memoryview] = []  # payloads of blocks read from the KV store
-            if request.num_computed_tokens == 0:
+            if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
+                # A request that asks for its prompt's logprobs computes every prompt token.
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
                 if self.connector is not None:
                     loaded = self.connector.match(request, num_hit_tokens)
@@ -471,6 +472,9 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is not None:
                 request.num_steps_in_flight -= 1
+            scored = runner_output.prompt_logprobs.get(req_id)
+            if scored is not None and request is not None:
+                request.add_prompt_logprobs(*scored)
             sampled = runner_output.sampled_token_ids.get(req_id)
             if request is None or request.is_finished or not sampled:
                 continue  # aborted meanwhile, or a prefill chunk short of the end
@@ -487,6 +491,7 @@ class Scheduler:
             out = EngineCoreOutput(
                 req_id, sampled, runner_output.logprobs.get(req_id),
                 num_cached_tokens=cached, first_scheduled_time=request.first_scheduled_time,
+                prompt_logprobs=request.take_prompt_logprobs(),
             )
             if status is not None:
                 if request.status == RequestStatus.RUNNING:

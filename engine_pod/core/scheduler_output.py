@@ -131,6 +131,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     # Speculative decoding: request id -> drafts proposed for its next step.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # prompt_logprobs: request id -> (the prompt position of the first entry, one entry a position,
+    # each the prompt's own token first, then the top-k) for the prompt positions this step computed.
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
     # Blocks read back for the KV store this step (every rank's; the executor consumes it).
     kv_connector_output: KVConnectorOutput | None = None
 
@@ -142,6 +145,8 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[Logprobs] | None = None
+    # With the first output of a request that asked for them: one entry per prompt token after the first.
+    prompt_logprobs: list[Logprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

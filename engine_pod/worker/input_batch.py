@@ -14,6 +14,22 @@ from engine_pod.spec_decode.metadata import SpecDecodeMetadata
 from engine_pod.worker.request_state import CachedRequestState
 
 
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """The rows of one request's prompt chunk whose next token is also a prompt token: each
+    row's logits score that token (prompt_logprobs)."""
+
+    req_id: str
+    first_position: int
+    """The prompt position of the first row (its target is the token at first_position + 1)."""
+    rows: np.ndarray
+    """Rows of the flattened batch, one per position."""
+    target_ids: np.ndarray
+    """The prompt token each row scores."""
+    top_k: int
+    """Alternatives to report per position."""
+
+
 @dataclass
 class BatchInputs:
     input_ids: torch.Tensor
@@ -29,6 +45,15 @@ class BatchInputs:
     # None: no row runs on an adapter this step).
     logits_indices_cpu: np.ndarray | None = None
     token_lora_slots: np.ndarray | None = None
+    # Prompt chunks of requests that asked for prompt_logprobs (their logits follow the sampling rows').
+    prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
+
+    @property
+    def output_rows_cpu(self) -> np.ndarray:
+        """Every row the step computes logits for: the sampling rows, then the prompt-logprob rows."""
+        if not self.prompt_logprobs:
+            return self.logits_indices_cpu
+        return np.concatenate([self.logits_indices_cpu, *(p.rows for p in self.prompt_logprobs)])
 
 
 def prepare_inputs(
@@ -59,10 +84,27 @@ def prepare_inputs(
         indices = SpecDecodeMetadata.logits_indices(indices, num_drafts)
     batch.logits_indices_cpu = indices
     batch.logits_indices = torch.from_numpy(indices).to(device)
+    batch.prompt_logprobs = _prompt_logprob_rows(states, batch.metadata.query_start_loc_cpu)
     if so.lora_slots:
         request_slots = np.array([so.lora_slots.get(s.req_id, -1) for s in states], dtype=np.int32)
         batch.token_lora_slots = np.repeat(request_slots, np.diff(batch.metadata.query_start_loc_cpu))
     return batch
+
+
+def _prompt_logprob_rows(states: list[CachedRequestState], query_start_loc: np.ndarray) -> list[PromptLogprobRows]:
+    out = []
+    for i, state in enumerate(states):
+        k = state.sampling_params.prompt_logprobs
+        start = state.num_computed_tokens
+        # Positions start.. of this chunk whose next token is a prompt token (the last prompt
+        # position predicts the first output token: that is the sample, not a prompt logprob).
+        end = min(start + int(query_start_loc[i + 1] - query_start_loc[i]), len(state.prompt_token_ids) - 1)
+        if k is None or end <= start:
+            continue
+        rows = np.arange(query_start_loc[i], query_start_loc[i] + end - start, dtype=np.int64)
+        targets = np.asarray(state.prompt_token_ids[start + 1:end + 1], dtype=np.int64)
+        out.append(PromptLogprobRows(state.req_id, start, rows, targets, k))
+    return out
 
 
 def build_batch(

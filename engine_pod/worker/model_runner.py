@@ -52,7 +52,7 @@ from engine_pod.worker.input_batch import BatchInputs, prepare_inputs
 from engine_pod.worker.kv_cache import allocate_kv_caches, bytes_per_block
 from engine_pod.worker.kv_connector_worker import KVConnectorWorker
 from engine_pod.worker.request_state import CachedRequestState, update_request_states
-from engine_pod.worker.runner_output import make_runner_output
+from engine_pod.worker.runner_output import make_runner_output, score_prompt_rows
 from engine_pod.worker.sampling_metadata import build_sampling_metadata, grammar_bitmask_rows
 from engine_pod.worker.stage_timing import StageTiming
 from kv_store.codec import BlockLayout
@@ -188,10 +188,9 @@ class ModelRunner:
     def _run_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
         batch = prepare_inputs(so, self.requests, self.block_size, self.device)
         start = time.perf_counter()
-        # Every row samples in a decode-only step: no rows to drop, so no copy.
-        rows = None if len(batch.logits_indices) == batch.metadata.num_actual_tokens else batch.logits_indices
+        rows = self._output_rows(batch)
         if self.lora is not None:
-            self.lora.set_mapping(batch.token_lora_slots, None if rows is None else batch.logits_indices_cpu)
+            self.lora.set_mapping(batch.token_lora_slots, None if rows is None else batch.output_rows_cpu)
         pp = self.pp
         intermediate = None
         if not pp.is_first_stage:
@@ -207,12 +206,30 @@ class ModelRunner:
             pp.send_to_next_stage(list(hidden))
             self.stage_wait_seconds += time.perf_counter() - sent
             hidden = None
-        logits = self.model.compute_logits(hidden) if batch.sampling_states and pp.is_last_stage else None
+        wants_logits = bool(batch.sampling_states or batch.prompt_logprobs)
+        logits = self.model.compute_logits(hidden) if wants_logits and pp.is_last_stage else None
         self.forward_seconds += time.perf_counter() - start
-        if not batch.sampling_states or not pp.is_sampler:
+        if not wants_logits or not pp.is_sampler:
             return ModelRunnerOutput({})
+        prompt_logprobs = {}
+        if batch.prompt_logprobs:
+            # Scored before sampling, which may scale the sampling rows' logits in place.
+            num_sampling = len(batch.logits_indices_cpu)
+            prompt_logprobs = score_prompt_rows(logits[num_sampling:], batch.prompt_logprobs)
+            logits = logits[:num_sampling]
+        if not batch.sampling_states:
+            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs)
         emitted, out = self._sample(logits, batch, grammar_bitmask_rows(so, batch, self.device))
-        return make_runner_output(batch, emitted.tolist(), out, self.drafter)
+        result = make_runner_output(batch, emitted.tolist(), out, self.drafter)
+        result.prompt_logprobs = prompt_logprobs
+        return result
+
+    def _output_rows(self, batch: BatchInputs) -> torch.Tensor | None:
+        """The rows the last layer computes (None: all of them, as in a decode-only step, where
+        every row samples and there is nothing to drop, so no copy)."""
+        if batch.prompt_logprobs:
+            return torch.from_numpy(batch.output_rows_cpu).to(self.device)
+        return None if len(batch.logits_indices) == batch.metadata.num_actual_tokens else batch.logits_indices
 
     def _sample(
         self, logits: torch.Tensor, batch: BatchInputs, grammar: torch.Tensor | None

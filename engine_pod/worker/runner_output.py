@@ -3,12 +3,14 @@ and the ModelRunnerOutput the engine reads (tokens, logprobs, next drafts)."""
 
 from __future__ import annotations
 
+import torch
+
 from engine_pod.core.scheduler_output import Logprobs, ModelRunnerOutput
 from engine_pod.sample.sampler import SamplerOutput
 from engine_pod.spec_decode.fallback import can_speculate
 from engine_pod.spec_decode.ngram_proposer import NgramProposer
 from engine_pod.spec_decode.rejection_sampler import PAD
-from engine_pod.worker.input_batch import BatchInputs
+from engine_pod.worker.input_batch import BatchInputs, PromptLogprobRows
 from engine_pod.worker.request_state import CachedRequestState
 
 
@@ -42,6 +44,32 @@ def make_runner_output(
             if k is not None:
                 logprobs[state.req_id] = [Logprobs(lp_ids[i][: k + 1], lp_vals[i][: k + 1], ranks[i])]
     return ModelRunnerOutput(sampled_ids, logprobs, propose_drafts(states, drafter))
+
+
+def score_prompt_rows(
+    logits: torch.Tensor, chunks: list[PromptLogprobRows]
+) -> dict[str, tuple[int, list[Logprobs]]]:
+    """Each prompt-logprob row's score of its prompt token: the model's own log-softmax (no
+    temperature or penalties, as vLLM reports them), the token's rank, and the top-k."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    out, row = {}, 0
+    for chunk in chunks:
+        n = len(chunk.rows)
+        lp = logprobs[row:row + n]
+        row += n
+        targets = torch.from_numpy(chunk.target_ids).to(lp.device)
+        target_lp = lp.gather(1, targets[:, None])[:, 0]
+        ranks = (lp > target_lp[:, None]).sum(dim=1) + 1
+        top = lp.topk(chunk.top_k, dim=-1) if chunk.top_k else None
+        entries = []
+        for j, (token, value, rank) in enumerate(zip(chunk.target_ids.tolist(), target_lp.tolist(), ranks.tolist())):
+            ids, values = [token], [value]
+            if top is not None:
+                ids += top.indices[j].tolist()
+                values += top.values[j].tolist()
+            entries.append(Logprobs(ids, values, rank))
+        out[chunk.req_id] = (chunk.first_position, entries)
+    return out
 
 
 def propose_drafts(states: list[CachedRequestState], drafter: NgramProposer | None) -> dict[str, list[int]]:

@@ -2,7 +2,7 @@
 
 The base run is 64 prompts x 64 greedy tokens (questions asked through the chat template, and
 paragraph openings of the shipped text), checked position by position against HF's choice given
-the same prefix (hf_reference.greedy_divergences: equal choices everywhere means HF's own greedy
+the same prefix (tessera_tools/bench/hf_parity.py: equal choices everywhere means HF's own greedy
 generation is the same sequence). Each engine feature that must not change the output then
 runs the same 64 prompts for fewer tokens (what the feature changes is prefill, scheduling or
 drafting; the suite's time is bounded) and must give the base run's tokens. A feature that
@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine_pod import LLM, SamplingParams
 from tessera_tools.fixtures.quality import parity_prompts
-from tests.engine_pod.hf_reference import greedy_divergences
+from tessera_tools.bench.hf_parity import greedy_divergences
 
 BASE_TOKENS, FEATURE_TOKENS = 64, 16
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}

@@ -118,6 +118,8 @@ BAD = [
     ("quality", "--max-tokens", "0"),
     ("quality", "--features", "base,fast"),
     ("quality", "--features", ","),
+    ("quality", "--window", "1"),
+    ("quality", "--parity-prompts", "0"),
 ]
 
 

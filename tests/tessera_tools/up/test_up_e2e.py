@@ -120,19 +120,38 @@ def test_up_serves_rest_and_grpc_and_sigint_leaves_no_process(up):
         chunks = list(pb_grpc.InferenceStub(channel).Complete(pb.CompletionRequest(
             model="tiny", prompt="Hello", params=pb.GenerationParams(max_tokens=3, ignore_eos=True))))
     assert chunks[-1].usage.completion_tokens == 3
-    # The README's first request, pointed at this platform's port.
-    readme = (ROOT / "README.md").read_text()
-    snippet = readme.split("## A first request", 1)[1].split("```python", 1)[1].split("```", 1)[0]
-    snippet = snippet.replace("127.0.0.1:8000", f"127.0.0.1:{up.http_port}")
-    result = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip()  # two completions were printed (their text is random)
     assert up.stop() == 0
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(pid) for pid in children):
         time.sleep(0.1)
     assert not [pid for pid in children if _alive(pid)], "children outlived tessera up"
     assert not secret_file.exists()  # the next run makes its own
+
+
+def _readme_first_request(port: int) -> str:
+    """What the README's first request prints, pointed at this platform's port."""
+    readme = (ROOT / "README.md").read_text()
+    snippet = readme.split("## A first request", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    snippet = snippet.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+    result = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_make_run_answers_the_readmes_first_request(smollm2, tmp_path):
+    """`make run`'s platform (examples/local.yaml, the real model): the README's first request
+    prints the right answer, and gRPC's ChatUnary gives the same."""
+    platform = Up(smollm2.parent, tmp_path, example="local.yaml")
+    try:
+        platform.wait_up()
+        assert "Paris" in _readme_first_request(platform.http_port)
+        with grpc.insecure_channel(f"127.0.0.1:{platform.grpc_port}") as channel:
+            result = pb_grpc.InferenceStub(channel).ChatUnary(pb.ChatRequest(
+                model="smollm2-135m-instruct", params=pb.GenerationParams(max_tokens=32, temperature=0),
+                messages=[pb.ChatMessage(role="user", content="What is the capital of France?")]), timeout=60)
+        assert "Paris" in result.choices[0].text and result.choices[0].finish_reason == "stop"
+    finally:
+        assert platform.stop() == 0
 
 
 def test_a_killed_engine_is_restarted_while_the_other_serves(up):
