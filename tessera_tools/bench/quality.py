@@ -42,7 +42,8 @@ FEATURES: dict[str, dict] = {
     "no-prefix-cache": {"enable_prefix_caching": False},
     "chunked-16": {"max_num_batched_tokens": 16},
     "chunked-64": {"max_num_batched_tokens": 64},
-    "preemption": {"num_gpu_blocks": 24, "kv_cache_memory_bytes": None, "max_model_len": 256},
+    # Room for one perplexity window (1024 tokens) and little else: the question set preempts.
+    "preemption": {"num_gpu_blocks": 80, "kv_cache_memory_bytes": None, "max_model_len": 1040},
     "ngram-spec": {"speculative_config": SPEC},
 }
 
@@ -149,6 +150,7 @@ def main(args: argparse.Namespace) -> int:
                      f"{len(parity[0]) - len(parted)}/{len(parity[0])}",
                      f"{sum(our_right)}/{len(qs)}", f"{sum(hf_right)}/{len(qs)}",
                      f"{len(qs) - len(differing)}/{len(qs)}", ", ".join(differing[:5]) or "-"])
+        print(" | ".join(rows[-1]), flush=True)  # as each feature ends: a long run's figures survive a cut
     print(markdown_table(["engine feature", "Tessera ppl", "HF ppl", "vs HF", "greedy = HF", "Tessera right",
                           "HF right", "replies identical to HF", "differing"], rows))
     write_report(report, args.output)
