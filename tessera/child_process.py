@@ -55,15 +55,8 @@ def free_port(attempts: int = 200) -> int:
 def free_port_pair(attempts: int = 200) -> int:
     """A loopback port P such that P and P + 1 are both free right now and neither was handed out
     before (a multi-node engine's leader listens on both: its rendezvous store and, next to it, its
-    node channel), chosen below the ephemeral range as free_port's are. Both count as handed out."""
-    top = min(_ephemeral_start(), 60000)
-    for _ in range(attempts if top > 20101 else 0):
-        port = random.randrange(20000, top - 1)
-        if port in _handed_out or port + 1 in _handed_out or not (port_is_free(port) and port_is_free(port + 1)):
-            continue
-        _handed_out.update((port, port + 1))
-        return port
-    raise RuntimeError("no two consecutive free loopback ports found below the ephemeral range")
+    node channel): free_port_range(2)."""
+    return free_port_range(2, attempts)
 
 
 def port_is_free(port: int) -> bool:
@@ -77,23 +70,20 @@ def port_is_free(port: int) -> bool:
 
 
 def free_port_range(count: int, attempts: int = 200) -> int:
-    """The first of ``count`` consecutive ports free on loopback right now
-    (a host of simulated pods listens on consecutive ports)."""
-    for _ in range(attempts):
-        first = random.randrange(20000, 60000 - count)
-        sockets = []
-        try:
-            for port in range(first, first + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
+    """The first of ``count`` consecutive loopback ports free right now, none handed out before
+    and all below the ephemeral range, as free_port's are (a host of simulated pods listens on
+    consecutive ports); all count as handed out. Ranges once came from the ephemeral range and
+    were not remembered, so a pod's probed port could be another's, or an outgoing connection's,
+    by the time it bound it ("Address already in use")."""
+    top = min(_ephemeral_start(), 60000)
+    for _ in range(attempts if top > 20000 + count + 100 else 0):
+        first = random.randrange(20000, top - count)
+        ports = range(first, first + count)
+        if any(p in _handed_out for p in ports) or not all(port_is_free(p) for p in ports):
             continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports found on loopback")
+        _handed_out.update(ports)
+        return first
+    raise RuntimeError(f"no {count} consecutive free loopback ports found below the ephemeral range")
 
 
 PARENT_PID_ENV = "TESSERA_PARENT_PID"
