@@ -95,11 +95,13 @@ def _prompt_logprob_rows(states: list[CachedRequestState], query_start_loc: np.n
     out = []
     for i, state in enumerate(states):
         k = state.sampling_params.prompt_logprobs
+        if k is None:
+            continue
         start = state.num_computed_tokens
         # Positions start.. of this chunk whose next token is a prompt token (the last prompt
         # position predicts the first output token: that is the sample, not a prompt logprob).
         end = min(start + int(query_start_loc[i + 1] - query_start_loc[i]), len(state.prompt_token_ids) - 1)
-        if k is None or end <= start:
+        if end <= start:
             continue
         rows = np.arange(query_start_loc[i], query_start_loc[i] + end - start, dtype=np.int64)
         targets = np.asarray(state.prompt_token_ids[start + 1:end + 1], dtype=np.int64)

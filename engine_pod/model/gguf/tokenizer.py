@@ -25,7 +25,7 @@ _BYTE_LEVEL = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 # Llama 3's and Qwen2's splits (digits in runs of at most three, or one by one).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
@@ -49,7 +49,7 @@ PRE_TOKENIZERS = {
     "starcoder": _digits_then_bytes,
     "refact": _digits_then_bytes,
     "llama-bpe": lambda: _regex_then_bytes(_LLAMA3_SPLIT),
-    "qwen2": lambda: _regex_then_bytes(_QWEN2_SPLIT),
+    "qwen2": lambda: _regex_then_bytes(QWEN2_SPLIT),
 }
 
 
